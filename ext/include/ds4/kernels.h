@@ -1,0 +1,80 @@
+// ds4 CPU kernel API: weight views, fused-dequant matrix products, the thread pool.
+//
+// Contract shared by every caller (the DS4 step executor, the tests, the GPU port):
+// - A weight matrix is a GGUF tensor viewed as rows: ne[0] = columns (input width, contiguous),
+//   ne[1] = rows (outputs), ne[2] = experts (3-D expert stacks). Rows are stored in the tensor's
+//   quantized type; dequantization is fused into the dot products.
+// - matmul computes Y[c][r] = sum_k W[r][k] * X[c][k] for ncols activation columns. Each column
+//   is computed with exactly the arithmetic of a single-column call (same block order, same
+//   accumulation order), whatever ncols is and however rows are split between threads: this is
+//   what makes a sequence's logits bit-identical whatever else shares the step.
+// - Activations are fp32 everywhere.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+
+namespace ds4 {
+
+// GGUF/ggml type ids of the weight types we execute.
+enum class DType : int32_t {
+  F32 = 0,
+  F16 = 1,
+  Q8_0 = 8,
+  Q4_K = 12,
+  I32 = 26,
+  BF16 = 30,
+  MXFP4 = 39,
+};
+
+// Elements per block and bytes per block of a type (F32/F16/BF16/I32: block of 1).
+int64_t block_elems(DType t);
+int64_t block_bytes(DType t);
+const char* dtype_name(DType t);
+bool dtype_supported(int32_t ggml_type);
+
+// A read-only view of one GGUF tensor (or one expert slice of a 3-D stack).
+struct TensorView {
+  DType type = DType::F32;
+  int64_t ne[4] = {1, 1, 1, 1};
+  const uint8_t* data = nullptr;
+
+  int64_t cols() const { return ne[0]; }
+  int64_t rows() const { return ne[1]; }
+  int64_t row_bytes() const { return ne[0] / block_elems(type) * block_bytes(type); }
+  int64_t nbytes() const { return row_bytes() * ne[1] * ne[2] * ne[3]; }
+  // The 2-D view of expert e of a [cols, rows, experts] stack.
+  TensorView expert(int64_t e) const;
+};
+
+// Dequantize n elements (a whole number of blocks) of type t.
+void dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n);
+
+// A fixed pool of worker threads; parallel_for splits [0, n) into contiguous chunks.
+class ThreadPool {
+ public:
+  explicit ThreadPool(int n_threads);
+  ~ThreadPool();
+  ThreadPool(const ThreadPool&) = delete;
+  ThreadPool& operator=(const ThreadPool&) = delete;
+  int size() const;
+  // Runs fn(begin, end) over chunks of [0, n) on the pool (the caller's thread takes part) and
+  // returns when all are done. grain: the smallest chunk worth a thread.
+  void parallel_for(int64_t n, int64_t grain, const std::function<void(int64_t, int64_t)>& fn);
+
+ private:
+  struct Impl;
+  Impl* impl_;
+};
+
+// Y[c * ldy + r] = dot(row r of W, X[c * ldx ...]) for c < ncols, r in [r0, r1).
+void matmul_rows(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
+                 int64_t r0, int64_t r1);
+
+// The same over all rows of W, split across the pool.
+void matmul(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
+            ThreadPool& pool);
+
+}  // namespace ds4

@@ -1,0 +1,8 @@
+"""Shared test setup: the repo root on sys.path, markers, and common fixtures."""
+
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
