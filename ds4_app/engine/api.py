@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import AsyncIterator, Iterator, Literal, Protocol, Sequence
 
-from .chat import Message
+from .chat import Delta, Message  # Delta: a piece of streamed text, content or reasoning
 from .sampling import SamplerConfig
 
 _ids = itertools.count(1)
@@ -91,14 +91,6 @@ class GenerationRequest:
     def __post_init__(self) -> None:
         if (self.messages is None) == (self.prompt is None):
             raise InvalidRequest("a request needs exactly one of messages or prompt")
-
-
-@dataclass(frozen=True, slots=True)
-class Delta:
-    """A piece of streamed text: ``kind`` is "content" or "reasoning"."""
-
-    kind: Literal["content", "reasoning"]
-    text: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +200,7 @@ class StatsSnapshot:
     memory: tuple[tuple[str, int], ...] = ()
     max_slots: int = 0
     max_ctx: int = 0
+    finished_by_reason: tuple[tuple[str, int], ...] = ()  # (finish_reason, count) since start
 
     @staticmethod
     def empty(backend: str = "", device: str = "", model: str = "") -> "StatsSnapshot":

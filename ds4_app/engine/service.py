@@ -1,0 +1,534 @@
+"""EngineService: the step loop in its own thread, behind submit / cancel / stats.
+
+Every front end talks to this (through the ``EngineClient`` protocol of ``api.py``). One thread
+owns the slots, the scheduler and the runner; other threads only enqueue requests and
+cancellations under a lock and read immutable stats snapshots. The loop never waits on a
+consumer: each request's events go into a bounded buffer, and a consumer that falls too far
+behind is dropped (its request is cancelled with an error), not waited for.
+
+A step of the loop:
+1. retire cancelled requests (before any compute), then admit from the queue in FIFO order
+   while slots and pages allow (a resident session resumes its parked slot);
+2. schedule (decoders + packed prompt rows), run the step on the runner, sample;
+3. stream the new text, finish requests at EOS / stop strings / max tokens, park the slots of
+   named sessions (they stay resident) and retire the others;
+4. publish a fresh stats snapshot.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import AsyncIterator, Iterator, Sequence
+
+import numpy as np
+
+from .api import (ContextLengthExceeded, EngineUnavailable, Event, ExceedsPool, Finished,
+                  GenerationRequest, InvalidRequest, LaneStats, PoolStats, QueueFull, StatsSnapshot,
+                  Usage)
+from .chat import Delta, Message, ReplyParser, encode_chat
+from .pages import PagePool, pages_for
+from .sampling import StopMatcher, sample
+from .scheduler import Scheduler
+from .slots import AdmissionError, Busy, Preempted, SlotManager, SlotState
+
+log = logging.getLogger(__name__)
+
+MAX_BUFFERED_EVENTS = 8192  # per request; a consumer this far behind is dropped
+
+
+class RequestStream:
+    """The handle submit() returns: the request's events, as an async or a blocking iterator.
+
+    The engine thread pushes without ever blocking; the buffer is bounded, and when a consumer
+    falls MAX_BUFFERED_EVENTS behind, the request is cancelled and ends with an error event.
+    """
+
+    def __init__(self, request_id: str, on_overflow) -> None:
+        self.request_id = request_id
+        self._buf: collections.deque[Event] = collections.deque()
+        self._cond = threading.Condition()
+        self._done = False
+        self._overflowed = False
+        self._on_overflow = on_overflow
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
+
+    # --- producer side (engine thread) ---
+    def push(self, ev: Event) -> None:
+        with self._cond:
+            if self._done:
+                return
+            final = isinstance(ev, Finished)
+            if not final and len(self._buf) >= MAX_BUFFERED_EVENTS:
+                if not self._overflowed:
+                    self._overflowed = True
+                    self._on_overflow(self.request_id)
+                return
+            self._buf.append(ev)
+            self._done = final
+            self._cond.notify_all()
+            waiters = list(self._waiters)
+        for loop, event in waiters:
+            try:
+                loop.call_soon_threadsafe(event.set)
+            except RuntimeError:  # the consumer's loop has closed
+                pass
+
+    # --- consumer side ---
+    def _pop(self) -> Event | None:
+        with self._cond:
+            return self._buf.popleft() if self._buf else None
+
+    def events(self, timeout: float | None = None) -> Iterator[Event]:
+        """Blocking iteration until the Finished event (TimeoutError if nothing for ``timeout`` s)."""
+        while True:
+            with self._cond:
+                if not self._buf and not self._cond.wait_for(lambda: self._buf, timeout):
+                    raise TimeoutError(f"no event from {self.request_id} for {timeout} s")
+                ev = self._buf.popleft()
+            yield ev
+            if isinstance(ev, Finished):
+                return
+
+    def __aiter__(self) -> AsyncIterator[Event]:
+        return self._aiter()
+
+    async def _aiter(self) -> AsyncIterator[Event]:
+        loop = asyncio.get_running_loop()
+        event = asyncio.Event()
+        with self._cond:
+            self._waiters.append((loop, event))
+        try:
+            while True:
+                ev = self._pop()
+                if ev is None:
+                    event.clear()
+                    ev = self._pop()  # re-check after clear: a push may have raced the clear
+                    if ev is None:
+                        await event.wait()
+                        continue
+                yield ev
+                if isinstance(ev, Finished):
+                    return
+        finally:
+            with self._cond:
+                self._waiters.remove((loop, event))
+
+
+@dataclass(slots=True, eq=False)
+class _Request:
+    """The service's record of one request (engine thread only, after submission)."""
+
+    req: GenerationRequest
+    prompt: list[int]
+    stream: RequestStream
+    parser: ReplyParser
+    stops: StopMatcher
+    t_submit: float
+    slot: int | None = None
+    cached: int = 0
+    generated: list[int] = field(default_factory=list)
+    t_admit: float = 0.0
+    t_first: float = 0.0
+    t_last: float = 0.0
+    recompute: Preempted | None = None  # set while waiting to be recomputed after preemption
+    finished: bool = False
+
+
+class EngineService:
+    """Owns a runner and serves requests concurrently through its paged engine (thread-safe)."""
+
+    def __init__(self, runner, tokenizer, *, model_name: str = "ds4", max_queue: int = 64) -> None:
+        self.runner = runner
+        self.tokenizer = tokenizer
+        self.model_name = model_name
+        self.max_queue = max_queue
+        self.max_slots = runner.max_slots
+        self.max_ctx = runner.max_ctx
+        self.pool = PagePool(runner.n_pages)
+        self.slots = SlotManager(self.max_slots, self.max_ctx, self.pool)
+        self.scheduler = Scheduler(self.slots, runner.limits)
+        self._lock = threading.Lock()
+        self._wake = threading.Condition(self._lock)
+        self._queue: collections.deque[_Request] = collections.deque()
+        self._cancels: set[str] = set()
+        self._live: dict[str, _Request] = {}  # admitted or queued, by request id
+        self._by_slot: dict[int, _Request] = {}
+        self._stopping = False
+        self._failed: str | None = None
+        self._rates = _Rates()
+        self._counters = collections.Counter()
+        self._last_step = (0, 0)
+        self._stats = StatsSnapshot.empty(runner.backend, runner.device, model_name)
+        self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ construction helpers
+    @classmethod
+    def open(cls, model: str | None = None, *, backend: str = "cpu", max_slots: int = 6, max_ctx: int = 4096,
+             kv_pool_tokens: int | None = None, threads: int = 0, qat_numerics: bool | None = None,
+             max_queue: int = 64) -> "EngineService":
+        """Load a model file (default: the embedded model) and start serving it."""
+        from .default_model import resolve_model
+        from .gguf_file import ModelFile
+        from .runner import Runner
+        from .tokenizer import Tokenizer
+
+        mf = ModelFile.open(resolve_model(model))
+        runner = Runner(mf, backend=backend, max_slots=max_slots, max_ctx=max_ctx,
+                        kv_pool_tokens=kv_pool_tokens, n_threads=threads, qat_numerics=qat_numerics)
+        tok = Tokenizer.from_metadata(mf.tokenizer_metadata)
+        return cls(runner, tok, model_name=os.path.basename(mf.path), max_queue=max_queue)
+
+    @classmethod
+    def from_args(cls, args, *, max_queue: int = 64) -> "EngineService":
+        """``open`` with the shared engine options of the command line (cli.add_engine_arguments)."""
+        return cls.open(args.model, backend=args.backend, max_slots=args.max_slots, max_ctx=args.max_ctx,
+                        kv_pool_tokens=args.kv_pool_tokens, threads=args.threads,
+                        qat_numerics=args.qat_numerics, max_queue=getattr(args, "max_queue", None) or max_queue)
+
+    def __enter__(self) -> "EngineService":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ the client interface
+    def prompt_tokens(self, messages: Sequence[Message] | None, prompt: str | None,
+                      thinking: bool = False) -> list[int]:
+        """The token ids a request's prompt renders to."""
+        if messages is not None:
+            return encode_chat(list(messages), self.tokenizer, thinking=thinking)
+        return [self.tokenizer.bos_id] + self.tokenizer.encode(prompt or "")
+
+    def count_prompt_tokens(self, messages: Sequence[Message] | None, prompt: str | None,
+                            thinking: bool = False) -> int:
+        return len(self.prompt_tokens(messages, prompt, thinking))
+
+    def submit(self, request: GenerationRequest) -> RequestStream:
+        """Queue a request. Raises InvalidRequest / ContextLengthExceeded / ExceedsPool when it can
+        never run, QueueFull when the queue is at its bound, EngineUnavailable when stopping."""
+        if request.messages is not None and not request.messages:
+            raise InvalidRequest("messages is empty: send at least one message")
+        if request.prompt is not None and not request.prompt:
+            raise InvalidRequest("prompt is empty")
+        tokens = self.prompt_tokens(request.messages, request.prompt, request.thinking)
+        n = len(tokens)
+        if n > self.max_ctx:
+            raise ContextLengthExceeded(f"prompt is {n} tokens, the context is {self.max_ctx}")
+        if pages_for(n) > self.pool.n_pages:
+            raise ExceedsPool(f"prompt of {n} tokens needs {pages_for(n)} pages; the pool has "
+                              f"{self.pool.n_pages} (raise --kv-pool-tokens)")
+        mt = request.sampling.max_tokens
+        if mt is not None and pages_for(min(n + mt, self.max_ctx + 1)) > self.pool.n_pages:
+            raise ExceedsPool(f"prompt ({n}) + max_tokens ({mt}) can never fit the page pool of "
+                              f"{self.pool.n_pages * 128} tokens; lower max_tokens or raise --kv-pool-tokens")
+        stream = RequestStream(request.request_id, self.cancel)
+        r = _Request(req=request, prompt=tokens, stream=stream,
+                     parser=ReplyParser(self.tokenizer, thinking=request.thinking),
+                     stops=StopMatcher(request.sampling.stop), t_submit=time.monotonic())
+        with self._lock:
+            if self._stopping or self._failed:
+                raise EngineUnavailable(self._failed or "the engine is stopping")
+            if len(self._queue) >= self.max_queue:
+                raise QueueFull(f"{len(self._queue)} requests are waiting (the queue holds "
+                                f"{self.max_queue}); retry later")
+            self._queue.append(r)
+            self._live[request.request_id] = r
+            self._wake.notify()
+        return stream
+
+    def cancel(self, request_id: str) -> None:
+        """Retire the request before the next step; its stream ends with finish_reason "cancelled"."""
+        with self._lock:
+            if request_id in self._live:
+                self._cancels.add(request_id)
+                self._wake.notify()
+
+    def stats(self) -> StatsSnapshot:
+        return self._stats
+
+    def close(self, timeout: float = 30.0) -> None:
+        """Stop the loop; requests still running end with finish_reason "cancelled"."""
+        with self._lock:
+            self._stopping = True
+            self._wake.notify()
+        self._thread.join(timeout)
+
+    # ------------------------------------------------------------------ the loop
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._lock:
+                    while not self._stopping and not self._has_work():
+                        self._wake.wait(0.5)
+                    if self._stopping:
+                        break
+                    cancels, self._cancels = self._cancels, set()
+                self._apply_cancels(cancels)
+                self._admit()
+                self._step()
+                self._publish_stats()
+        except Exception as e:  # noqa: BLE001 - a broken loop must fail every request, not hang them
+            log.exception("engine loop failed")
+            with self._lock:
+                self._failed = f"engine failed: {e}"
+        finally:
+            for r in list(self._live.values()):
+                self._finish(r, "error" if self._failed else "cancelled", self._failed)
+            self._publish_stats()
+
+    def _has_work(self) -> bool:
+        return bool(self._queue or self._cancels or self._by_slot)
+
+    def _apply_cancels(self, ids: set[str]) -> None:
+        for rid in ids:
+            r = self._live.get(rid)
+            if r is not None:
+                self._finish(r, "cancelled")
+
+    def _admit(self) -> None:
+        """Admit queued requests in FIFO order while slots and pages allow."""
+        while True:
+            with self._lock:
+                if not self._queue:
+                    return
+                r = self._queue[0]
+            try:
+                self._admit_one(r)
+            except Busy:
+                return
+            except (AdmissionError, ValueError) as e:
+                with self._lock:
+                    self._queue.popleft()
+                self._finish(r, "error", str(e))
+                continue
+            with self._lock:
+                self._queue.popleft()
+            r.t_admit = r.t_admit or time.monotonic()
+            self._by_slot[r.slot] = r
+
+    def _admit_one(self, r: _Request) -> None:
+        sm, req = self.slots, r.req
+        if r.recompute is not None:  # a preempted request: its tokens so far are the prompt
+            p = r.recompute
+            r.slot = sm.admit(req.request_id, p.tokens, p.sampler, max_new_tokens=p.max_new_tokens,
+                              session_id=req.session, rng=p.rng)
+            self.runner.reset_slot(r.slot)
+            r.recompute = None
+            return
+        resident = sm.find_session(req.session) if req.session else None
+        if resident is not None:
+            have = sm.slot(resident).tokens
+            if len(have) < len(r.prompt) and r.prompt[: len(have)] == have:
+                sm.resume(resident, r.prompt[len(have):], req.request_id, req.sampling)
+                r.slot, r.cached = resident, sm.slot(resident).n_computed
+                return
+            sm.retire(resident)  # the conversation changed under it: recompute from scratch
+            sm.n_evictions += 1
+        r.slot = sm.admit(req.request_id, r.prompt, req.sampling, session_id=req.session)
+        self.runner.reset_slot(r.slot)
+
+    def _step(self) -> None:
+        if not self._by_slot:
+            return
+        step = self.scheduler.schedule()
+        for p in step.preempted:
+            r = self._live.get(p.request_id)
+            if r is not None:
+                self._by_slot.pop(r.slot, None)
+                r.slot, r.recompute = None, p
+                with self._lock:
+                    self._queue.appendleft(r)
+        if step.is_empty:
+            self._retire_stalled()
+            return
+        plan = step.plan
+        try:
+            logits = self.runner.step(plan)
+        except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the others
+            log.exception("engine step failed")
+            for slot in step.rows:
+                r = self._by_slot.get(slot)
+                if r is not None:
+                    self._finish(r, "error", f"engine step failed: {e}")
+            return
+        now = time.monotonic()
+        sampled: dict[int, int] = {}
+        for i, slot in enumerate(step.logit_slots):
+            s = self.slots.slot(slot)
+            sampled[slot] = sample(logits[i], s.sampler, s.rng, s.history)
+        n_prompt_rows = plan.n_lanes - sum(1 for slot, rows in step.rows.items()
+                                           if rows == 1 and self.slots.slot(slot).n_pending == 1)
+        self._last_step = (plan.n_lanes - n_prompt_rows, n_prompt_rows)
+        self._counters["steps"] += 1
+        self._counters["prompt_tokens"] += n_prompt_rows
+        done = set(self.scheduler.commit(step, sampled))
+        for slot, tok in sampled.items():
+            r = self._by_slot.get(slot)
+            if r is not None:
+                self._on_token(r, tok, now, length_done=slot in done)
+
+    def _retire_stalled(self) -> None:
+        """Running slots with nothing left to compute (a request at its length limit)."""
+        for slot, r in list(self._by_slot.items()):
+            s = self.slots.get(slot)
+            if s is not None and s.length_done:
+                self._finish(r, "length")
+
+    def _on_token(self, r: _Request, tok: int, now: float, *, length_done: bool) -> None:
+        if not r.generated:
+            r.t_first = now
+            self._rates.ttft(now - r.t_submit)
+        r.generated.append(tok)
+        r.t_last = now
+        self._rates.token(now, r.slot)
+        self._counters["generation_tokens"] += 1
+        eos = tok == self.tokenizer.eos_id and not r.req.sampling.ignore_eos
+        for d in r.parser.feed(tok) if not eos else []:
+            if not self._emit(r, d):
+                self._finish(r, "stop")
+                return
+        if eos:
+            self._flush_parser(r)
+            self._finish(r, "stop")
+        elif length_done:
+            self._flush_parser(r)
+            self._finish(r, "length")
+
+    def _emit(self, r: _Request, d: Delta) -> bool:
+        """Stream a delta (content passes the stop-string matcher); False once a stop matched."""
+        if d.kind == "content":
+            text, stopped = r.stops.feed(d.text)
+            if text:
+                r.stream.push(Delta("content", text))
+            return not stopped
+        r.stream.push(d)
+        return True
+
+    def _flush_parser(self, r: _Request) -> None:
+        for d in r.parser.finish():
+            if not self._emit(r, d):
+                return
+        tail = r.stops.flush()
+        if tail:
+            r.stream.push(Delta("content", tail))
+
+    def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
+        """End a request: free or park its slot, send the Finished event (exactly once)."""
+        if r.finished:
+            return
+        r.finished = True
+        with self._lock:
+            self._live.pop(r.req.request_id, None)
+            try:
+                self._queue.remove(r)
+            except ValueError:
+                pass
+        if r.slot is not None and self._by_slot.get(r.slot) is r:
+            del self._by_slot[r.slot]
+            s = self.slots.get(r.slot)
+            if s is not None:
+                if r.req.session and reason in ("stop", "length") and s.state is SlotState.RUNNING:
+                    self.slots.park(r.slot, r.req.session)
+                else:
+                    self.slots.retire(r.slot)
+        now = time.monotonic()
+        first = r.t_first or now
+        usage = Usage(prompt_tokens=len(r.prompt), completion_tokens=len(r.generated), cached_tokens=r.cached,
+                      queue_s=(r.t_admit or now) - r.t_submit, ttft_s=(r.t_first - r.t_submit) if r.t_first else 0.0,
+                      prefill_s=first - (r.t_admit or first), decode_s=(r.t_last - r.t_first) if r.t_first else 0.0,
+                      total_s=now - r.t_submit)
+        self._counters["finished"] += 1
+        self._counters[f"finished_{reason}"] += 1
+        r.stream.push(Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
+
+    # ------------------------------------------------------------------ stats
+    def _publish_stats(self) -> None:
+        now = time.monotonic()
+        lanes: list[LaneStats] = []
+        for slot in range(self.max_slots):
+            s = self.slots.get(slot)
+            if s is None:
+                continue
+            r = self._by_slot.get(slot)
+            if s.state is SlotState.IDLE:
+                state = "resident"
+            else:
+                state = "decode" if s.n_pending <= 1 else "prefill"
+            lanes.append(LaneStats(slot=slot, request_id=r.req.request_id if r else None,
+                                   session=s.session_id or (r.req.session if r else None), state=state,
+                                   position=s.n_computed, context=len(s.tokens), pages=len(s.block_table),
+                                   tok_s=self._rates.lane_rate(slot, now) if state == "decode" else 0.0))
+        with self._lock:
+            queued = list(self._queue)
+        for r in queued:
+            lanes.append(LaneStats(slot=None, request_id=r.req.request_id, session=r.req.session, state="queued",
+                                   position=0, context=len(r.prompt), pages=0, tok_s=0.0))
+        pool = PoolStats(n_pages=self.pool.n_pages, used=self.pool.n_used, reserved=self.pool.n_reserved,
+                         free=self.pool.n_free, evictions=self.slots.n_evictions,
+                         preemptions=self.slots.n_preemptions)
+        c = self._counters
+        mem = getattr(self.runner, "memory_plan", None)
+        self._stats = StatsSnapshot(
+            time=time.time(), lanes=tuple(lanes), pool=pool, queue_len=len(queued),
+            n_running=sum(1 for x in lanes if x.state in ("decode", "prefill")),
+            agg_tok_s=self._rates.agg_rate(now), tok_s_history=self._rates.history(now),
+            ttft_recent=tuple(self._rates.ttfts), step_decode_rows=self._last_step[0],
+            step_prompt_rows=self._last_step[1], steps=c["steps"], prompt_tokens_total=c["prompt_tokens"],
+            generation_tokens_total=c["generation_tokens"], requests_finished=c["finished"],
+            backend=self.runner.backend, device=self.runner.device, model=self.model_name,
+            memory=tuple(mem.sections.items()) if mem is not None else (), max_slots=self.max_slots,
+            max_ctx=self.max_ctx, finished_by_reason=tuple(sorted(
+                (k.removeprefix("finished_"), v) for k, v in c.items() if k.startswith("finished_"))))
+
+
+class _Rates:
+    """Token timestamps for tok/s figures: per lane, aggregate, and one point a second."""
+
+    WINDOW = 5.0
+
+    def __init__(self) -> None:
+        self.events: collections.deque[tuple[float, int | None]] = collections.deque()
+        self.per_second: collections.deque[tuple[int, int]] = collections.deque(maxlen=60)
+        self.ttfts: collections.deque[float] = collections.deque(maxlen=60)
+
+    def token(self, now: float, slot: int | None) -> None:
+        self.events.append((now, slot))
+        sec = int(now)
+        if self.per_second and self.per_second[-1][0] == sec:
+            self.per_second[-1] = (sec, self.per_second[-1][1] + 1)
+        else:
+            self.per_second.append((sec, 1))
+        while self.events and self.events[0][0] < now - self.WINDOW:
+            self.events.popleft()
+
+    def ttft(self, seconds: float) -> None:
+        self.ttfts.append(seconds)
+
+    def _recent(self, now: float):
+        return [e for e in self.events if e[0] >= now - self.WINDOW]
+
+    def agg_rate(self, now: float) -> float:
+        ev = self._recent(now)
+        return len(ev) / self.WINDOW if ev else 0.0
+
+    def lane_rate(self, slot: int, now: float) -> float:
+        ts = [t for t, s in self._recent(now) if s == slot]
+        if len(ts) < 2:
+            return 0.0
+        return (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
+
+    def history(self, now: float) -> tuple[float, ...]:
+        """Tokens per second for each of the last 60 seconds (oldest first)."""
+        counts = dict(self.per_second)
+        sec = int(now)
+        return tuple(float(counts.get(s, 0)) for s in range(sec - 59, sec + 1))
+
+
+__all__ = ["EngineService", "RequestStream", "np"]
