@@ -193,9 +193,7 @@ class SlotManager:
         if n == 0:
             raise EmptyPrompt("the prompt is empty: send at least one token")
         self._check_fits(n)
-        limit = sampler.max_tokens if max_new_tokens is None else max_new_tokens
-        if limit is not None and limit < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+        max_len = self._max_len(n, sampler, max_new_tokens)
         want = self._prompt_pages(n)
         self._evict(self._plan_room(want, need_slot=True, keep=None, allow_evict=evict_idle))
         self._top_up_decoders()
@@ -205,7 +203,7 @@ class SlotManager:
             index=index, request_id=request_id, tokens=[int(t) for t in prompt_tokens],
             handle=self.pool.acquire(want), sampler=sampler,
             rng=rng if rng is not None else np.random.default_rng(sampler.seed),
-            prompt_len=n, max_len=self._max_len(n, limit), order=self._tick, session_id=session_id)
+            prompt_len=n, max_len=max_len, order=self._tick, session_id=session_id)
         return index
 
     def park(self, slot: int, session_id: str) -> None:
@@ -229,9 +227,7 @@ class SlotManager:
             raise ValueError(f"slot {slot} is not parked")
         new_len = len(s.tokens) + len(new_tokens)
         self._check_fits(new_len)
-        limit = sampler.max_tokens if max_new_tokens is None else max_new_tokens
-        if limit is not None and limit < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
+        max_len = self._max_len(new_len, sampler, max_new_tokens)
         want = max(0, self._prompt_pages(new_len) - self.pool.held(s.handle))
         self._evict(self._plan_room(want, need_slot=False, keep=slot, allow_evict=evict_idle))
         self._top_up_decoders()
@@ -239,7 +235,7 @@ class SlotManager:
         self._tick += 1
         s.tokens.extend(int(t) for t in new_tokens)
         s.request_id, s.sampler, s.rng = request_id, sampler, np.random.default_rng(sampler.seed)
-        s.prompt_len, s.max_len = new_len, self._max_len(new_len, limit)
+        s.prompt_len, s.max_len = new_len, max_len
         s.state, s.order = SlotState.RUNNING, self._tick
 
     # ---- pages ----------------------------------------------------------------------------
@@ -319,7 +315,10 @@ class SlotManager:
             raise PromptExceedsPool(f"prompt of {n} tokens is larger than the whole page pool "
                                     f"({self.pool.n_pages} pages); raise --kv-pool-tokens")
 
-    def _max_len(self, prompt_len: int, limit: int | None) -> int:
+    def _max_len(self, prompt_len: int, sampler: SamplerConfig, max_new_tokens: int | None) -> int:
+        limit = sampler.max_tokens if max_new_tokens is None else max_new_tokens
+        if limit is not None and limit < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {limit}")
         # The token at position max_ctx - 1 still yields logits, so a sequence may end with
         # max_ctx + 1 tokens (upstream clamps generation to max_ctx - prompt + 1).
         cap = self.max_ctx + 1
