@@ -228,3 +228,17 @@ def test_refuses_bad_arguments(tmp_path):
 
     with pytest.raises(ValueError, match="tokenizer has 600 tokens"):
         synthesize("tiny", tmp_path / "x.gguf", seed=0, tokenizer=build_synthetic_vocab(600))
+
+
+def test_activations_stay_finite_and_varied_through_the_reference(tiny_file):
+    # the whole model (mHC, three attention kinds, MoE) on random tokens: finite logits with a
+    # spread near 1 that differ from position to position
+    ref_mod = pytest.importorskip("ds4_app.engine.reference.model")
+    ref = ref_mod.Reference(tiny_file.config, tiny_file.weights_f32())
+    tokens = np.random.default_rng(0).integers(0, tiny_file.config.n_vocab, 40).tolist()
+    logits = np.asarray(ref.forward_prompt(tokens))
+    assert logits.shape == (40, tiny_file.config.n_vocab)
+    assert np.isfinite(logits).all()
+    spread = logits.std(axis=-1)
+    assert (spread > 0.3).all() and (spread < 5).all()
+    assert len(set(logits.argmax(-1).tolist())) > 20
