@@ -322,6 +322,14 @@ def test_cli_synth_and_inspect(tmp_path, runner):
     assert info["config"]["compress_ratios"] == [0, 4, 128, 4]
     assert info["types"] == {"BF16": 9, "F16": 17, "F32": 54, "I32": 1, "MXFP4": 4, "Q4_K": 8, "Q8_0": 33}
     assert info["file_size"] == out.stat().st_size
+    import importlib.util
+
+    if importlib.util.find_spec("ds4_app.engine.memory") is None:
+        assert info["memory"] is None
+    else:
+        mem = info["memory"]
+        assert mem["max_slots"] == 6 and mem["max_ctx"] == 4096 and mem["n_pages"] > 0
+        assert mem["total"] == sum(mem["sections"].values()) > info["weight_bytes"]
     r = subprocess.run(runner + ["model", "inspect", str(out)], cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0 and "types" in r.stdout and "Q4_K 8" in r.stdout
 
