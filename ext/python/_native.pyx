@@ -1,0 +1,396 @@
+# cython: language_level=3, boundscheck=False
+"""ds4_app.engine._native: the one crossing from Python into the C++ engine.
+
+- ``Engine``: the DS4 step executor (ext/engine/engine.h). ``step(plan)`` is one call per engine
+  step with the GIL released; inputs are validated here first so a bad plan is a one-line
+  ValueError, never undefined behaviour in C++.
+- ``physical_cores()``, ``simd_path()``, ``gpu_backend()``: what this build and machine run.
+- ``_testing``: a private surface over the kernels (dequantizers, matmul on a chosen SIMD path,
+  thread-pool chunking) for the tests; not an API.
+
+C++ exceptions come through ``except +`` declarations (ds4.pxd): std::invalid_argument ->
+ValueError, std::out_of_range -> IndexError, std::runtime_error -> RuntimeError.
+"""
+
+import os
+import types
+
+import numpy as np
+
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libcpp.string cimport string
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+from cython.operator cimport dereference as deref
+
+from ds4 cimport (
+    CEngine, DType, EngineOptions, ModelConfig, SimdPath, ThreadPool, TensorView, WeightEntry,
+    active_path, block_bytes, block_elems, c_dtype_supported, c_physical_cores, decode, dtype_name,
+    matmul_on, path_name, path_supported,
+)
+
+
+cdef extern from *:
+    """
+    #include <algorithm>
+    #include <mutex>
+    #include <utility>
+    #include <vector>
+    #include "ds4/kernels.h"
+
+    #ifndef DS4_GPU_BACKEND
+    #define DS4_GPU_BACKEND "off"
+    #endif
+
+    // Testing hook: the chunks parallel_for hands out (sorted), to check static contiguous
+    // chunking and that every index is covered exactly once.
+    static std::vector<std::pair<int64_t, int64_t>> ds4_testing_pool_chunks(int n_threads, int64_t n,
+                                                                         int64_t grain) {
+      ds4::ThreadPool pool(n_threads);
+      std::mutex mu;
+      std::vector<std::pair<int64_t, int64_t>> chunks;
+      pool.parallel_for(n, grain, [&](int64_t b, int64_t e) {
+        std::lock_guard<std::mutex> lock(mu);
+        chunks.emplace_back(b, e);
+      });
+      std::sort(chunks.begin(), chunks.end());
+      return chunks;
+    }
+    """
+    const char* DS4_GPU_BACKEND
+    vector[pair[int64_t, int64_t]] ds4_testing_pool_chunks(int n_threads, int64_t n, int64_t grain) except + nogil
+
+
+PAGE_TOKENS = 128
+
+
+def physical_cores():
+    """Physical CPU cores this process may use (the default thread count)."""
+    return physical_cores_c()
+
+
+cdef int physical_cores_c() noexcept nogil:
+    return c_physical_cores()
+
+
+def simd_path():
+    """The CPU kernel path of this process: "avx2" or "scalar" (chosen once, DS4_SIMD overrides)."""
+    return active_path_name()
+
+
+cdef str active_path_name():
+    return path_name(active_path()).decode()
+
+
+def gpu_backend():
+    """The GPU backend compiled into this module: "off", "cuda" or "hip"."""
+    return (<bytes>DS4_GPU_BACKEND).decode()
+
+
+def dtype_supported(int ggml_type):
+    """Whether the kernels execute tensors of this ggml type id."""
+    return bool(c_dtype_supported(ggml_type))
+
+
+# --- Engine --------------------------------------------------------------------------------------
+
+
+cdef class Engine:
+    """One loaded DS4 model with its paged multi-slot state (ds4::Engine).
+
+    Args:
+        config: the model's DS4Config.
+        gguf_path: the GGUF file; the engine maps it read-only.
+        tensors: (name, ggml_type, ne, offset) per tensor; ne has up to 4 dims, offset is the
+            absolute byte offset in the file.
+        max_slots, max_ctx, n_pages, max_rows, n_threads: see ds4::EngineOptions (n_threads 0:
+            physical cores).
+    """
+
+    cdef CEngine* _eng
+    cdef readonly int n_vocab, max_slots, max_ctx, n_pages, max_rows, n_threads
+    cdef readonly object config
+
+    def __cinit__(self):
+        self._eng = NULL
+
+    def __init__(self, config, gguf_path, tensors, *, int max_slots, int max_ctx, int n_pages,
+                 int max_rows=16, int n_threads=0):
+        if self._eng != NULL:
+            raise RuntimeError("Engine is already initialised")
+        if max_slots < 1 or max_ctx < 1 or n_pages < 0 or max_rows < 1 or n_threads < 0:
+            raise ValueError(f"Engine options out of range: max_slots={max_slots} max_ctx={max_ctx} "
+                             f"n_pages={n_pages} max_rows={max_rows} n_threads={n_threads}")
+        cdef ModelConfig cfg = _model_config(config)
+        cdef vector[WeightEntry] weights
+        cdef WeightEntry w
+        cdef int i
+        for name, ggml_type, ne, offset in tensors:
+            ne = tuple(int(x) for x in ne)
+            if not 1 <= len(ne) <= 4:
+                raise ValueError(f"tensor {name}: {len(ne)} dims, expected 1 to 4")
+            w.name = name.encode()
+            w.type = int(ggml_type)
+            for i in range(4):
+                w.ne[i] = ne[i] if i < len(ne) else 1
+            w.offset = int(offset)
+            weights.push_back(w)
+        cdef EngineOptions opts
+        opts.max_slots = max_slots
+        opts.max_ctx = max_ctx
+        opts.n_pages = n_pages
+        opts.max_rows = max_rows
+        opts.n_threads = n_threads
+        cdef string path = os.fsencode(os.fspath(gguf_path))
+        cdef CEngine* eng
+        with nogil:
+            eng = new CEngine(cfg, path, weights, opts)
+        self._eng = eng
+        self.config = config
+        self.n_vocab = cfg.n_vocab
+        self.max_slots = max_slots
+        self.max_ctx = max_ctx
+        self.n_pages = n_pages
+        self.max_rows = max_rows
+        self.n_threads = n_threads if n_threads > 0 else physical_cores_c()
+
+    def __dealloc__(self):
+        if self._eng != NULL:
+            del self._eng
+            self._eng = NULL
+
+    cdef CEngine* _get(self) except NULL:
+        if self._eng == NULL:
+            raise RuntimeError("Engine is not initialised")
+        return self._eng
+
+    def step(self, plan):
+        """Run one step of a StepPlan; returns float32 logits [plan.n_logits, n_vocab] in lane order."""
+        cdef CEngine* eng = self._get()
+        lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
+        lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
+        lane_pos = np.ascontiguousarray(plan.lane_pos, dtype=np.int32)
+        lane_logits = np.ascontiguousarray(plan.lane_logits, dtype=np.int32)
+        table_slot = np.ascontiguousarray(plan.table_slot, dtype=np.int32)
+        block_table = np.ascontiguousarray(plan.block_table, dtype=np.int32)
+        self._validate(lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table)
+
+        cdef int n_lanes = lane_slot.shape[0]
+        cdef int n_tables = table_slot.shape[0]
+        cdef int max_blocks = block_table.shape[1]
+        out = np.empty((int(lane_logits.sum()), self.n_vocab), dtype=np.float32)
+        if n_lanes == 0:
+            return out
+        cdef const int32_t[::1] ls = lane_slot
+        cdef const int32_t[::1] lt = lane_token
+        cdef const int32_t[::1] lp = lane_pos
+        cdef const int32_t[::1] ll = lane_logits
+        cdef const int32_t[::1] ts = table_slot
+        cdef const int32_t[::1] bt = block_table.reshape(-1)
+        cdef float[:, ::1] o = out
+        cdef int32_t empty_table = -1
+        cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
+        cdef float dummy_out = 0
+        cdef float* o_ptr = &o[0, 0] if o.shape[0] > 0 else &dummy_out
+        with nogil:
+            eng.step(n_lanes, &ls[0], &lt[0], &lp[0], &ll[0], n_tables, &ts[0], bt_ptr, max_blocks, o_ptr)
+        return out
+
+    def _validate(self, lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table):
+        n = lane_slot.shape[0]
+        if lane_slot.ndim != 1 or any(a.shape != (n,) for a in (lane_token, lane_pos, lane_logits)):
+            raise ValueError("StepPlan lane arrays must be 1-D of one length")
+        if n > self.max_rows:
+            raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={self.max_rows}")
+        if table_slot.ndim != 1 or block_table.ndim != 2 or block_table.shape[0] != table_slot.shape[0]:
+            raise ValueError("StepPlan.block_table must have one row per table_slot")
+        _check_range("lane_slot", lane_slot, 0, self.max_slots)
+        _check_range("table_slot", table_slot, 0, self.max_slots)
+        _check_range("lane_token", lane_token, 0, self.n_vocab)
+        _check_range("lane_pos", lane_pos, 0, self.max_ctx)
+        _check_range("lane_logits", lane_logits, 0, 2)
+        _check_range("block_table", block_table.reshape(-1), -1, self.n_pages)
+        if np.unique(table_slot).shape[0] != table_slot.shape[0]:
+            raise ValueError("StepPlan.table_slot names a slot twice")
+        missing = np.setdiff1d(lane_slot, table_slot)
+        if missing.size:
+            raise ValueError(f"StepPlan lane slot {int(missing[0])} has no block-table row")
+        if n > 1:
+            # Lanes of one slot are chronological: consecutive positions in lane order.
+            order = np.argsort(lane_slot, kind="stable")
+            s, p = lane_slot[order], lane_pos[order]
+            bad = np.nonzero((s[1:] == s[:-1]) & (p[1:] != p[:-1] + 1))[0]
+            if bad.size:
+                i = int(order[bad[0] + 1])
+                raise ValueError(f"StepPlan lane {i}: slot {int(lane_slot[i])} position {int(lane_pos[i])} "
+                                 f"does not follow its previous lane's position")
+
+    def reset_slot(self, int slot):
+        """Forget everything a slot held, so a new sequence starts clean in it."""
+        cdef CEngine* eng = self._get()
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range 0..{self.max_slots - 1}")
+        with nogil:
+            eng.reset_slot(slot)
+
+    def allocated_bytes(self):
+        """Bytes the engine allocated, by section (see ds4::Engine::allocated_bytes)."""
+        cdef CEngine* eng = self._get()
+        cdef vector[pair[string, uint64_t]] items = eng.allocated_bytes()
+        return {bytes(k).decode(): int(v) for k, v in items}
+
+
+cdef ModelConfig _model_config(config) except *:
+    cdef ModelConfig c
+    c.n_vocab = config.n_vocab
+    c.n_embd = config.n_embd
+    c.n_layer = config.n_layer
+    c.n_head = config.n_head
+    c.head_dim = config.head_dim
+    c.rope_dim = config.rope_dim
+    c.q_lora_rank = config.q_lora_rank
+    c.o_groups = config.o_groups
+    c.o_lora_rank = config.o_lora_rank
+    c.compress_ratios = [int(r) for r in config.compress_ratios]
+    c.index_n_heads = config.index_n_heads
+    c.index_head_dim = config.index_head_dim
+    c.index_topk = config.index_topk
+    c.n_expert = config.n_expert
+    c.n_expert_used = config.n_expert_used
+    c.n_expert_shared = config.n_expert_shared
+    c.expert_ffn = config.expert_ffn
+    c.expert_weights_scale = config.expert_weights_scale
+    c.expert_weights_norm = bool(config.expert_weights_norm)
+    c.n_hash_layers = config.n_hash_layers
+    c.swiglu_clamp_exp = [float(x) for x in config.swiglu_clamp_exp]
+    c.swiglu_clamp_shexp = [float(x) for x in config.swiglu_clamp_shexp]
+    c.hc_mult = config.hc_mult
+    c.hc_sinkhorn_iters = config.hc_sinkhorn_iters
+    c.hc_eps = config.hc_eps
+    c.norm_eps = config.norm_eps
+    c.rope_inv_freqs = [list(config.rope(layer).inv_freqs(config.rope_dim)) for layer in range(config.n_layer)]
+    c.sliding_window = config.sliding_window
+    c.qat_numerics = bool(config.qat_numerics)
+    return c
+
+
+def _check_range(name, arr, lo, hi):
+    if arr.size == 0:
+        return
+    bad = np.nonzero((arr < lo) | (arr >= hi))[0]
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"StepPlan.{name}[{i}] = {int(arr[i])} is out of range {lo}..{hi - 1}")
+
+
+# --- private testing surface ---------------------------------------------------------------------
+
+
+cdef SimdPath _path(path) except *:
+    if path is None:
+        return active_path()
+    if path == "scalar":
+        return SimdPath.Scalar
+    if path == "avx2":
+        if not path_supported(SimdPath.Avx2):
+            raise ValueError("this CPU cannot run the avx2 path")
+        return SimdPath.Avx2
+    raise ValueError(f"unknown SIMD path {path!r}: expected 'scalar' or 'avx2'")
+
+
+cdef DType _weight_type(int ggml_type) except *:
+    if not c_dtype_supported(ggml_type) or ggml_type == <int>DType.I32:
+        raise ValueError(f"ggml type {ggml_type} is not a weight type the kernels execute")
+    return <DType>ggml_type
+
+
+def _as_bytes(raw):
+    if isinstance(raw, np.ndarray):
+        return np.ascontiguousarray(raw).view(np.uint8).reshape(-1)
+    return np.frombuffer(raw, dtype=np.uint8)
+
+
+def _t_dequantize(int ggml_type, raw, int64_t n, path=None):
+    """Dequantize n elements (whole blocks) of raw ggml data on a SIMD path (None: the active one)."""
+    cdef DType t = _weight_type(ggml_type)
+    cdef SimdPath p = _path(path)
+    if n < 0 or n % block_elems(t):
+        raise ValueError(f"{n} elements is not a whole number of {dtype_name(t).decode()} blocks")
+    data = _as_bytes(raw)
+    if data.shape[0] < n // block_elems(t) * block_bytes(t):
+        raise ValueError("raw data is shorter than n elements")
+    out = np.empty(n, dtype=np.float32)
+    if n == 0:
+        return out
+    cdef const uint8_t[::1] src = data
+    cdef float[::1] dst = out
+    with nogil:
+        decode(p, t, &src[0], &dst[0], n)
+    return out
+
+
+def _t_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X, int n_threads=1, path=None):
+    """Y[c, r] = sum_k W[r, k] X[c, k] for W given as raw ggml rows [ne1, ne0]; X is [ncols, ne0]."""
+    cdef DType t = _weight_type(ggml_type)
+    cdef SimdPath p = _path(path)
+    if ne0 <= 0 or ne1 <= 0 or ne0 % block_elems(t):
+        raise ValueError(f"bad weight shape ({ne0}, {ne1}) for {dtype_name(t).decode()}")
+    data = _as_bytes(raw)
+    if data.shape[0] < ne0 // block_elems(t) * block_bytes(t) * ne1:
+        raise ValueError("raw data is shorter than the weight matrix")
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != ne0:
+        raise ValueError(f"X must be [ncols, {ne0}]")
+    cdef int ncols = x.shape[0]
+    y = np.zeros((ncols, ne1), dtype=np.float32)
+    if ncols == 0:
+        return y
+    cdef const uint8_t[::1] src = data
+    cdef const float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    cdef TensorView W
+    W.type = t
+    W.ne[0] = ne0
+    W.ne[1] = ne1
+    W.ne[2] = 1
+    W.ne[3] = 1
+    W.data = &src[0]
+    cdef ThreadPool* pool = new ThreadPool(n_threads)
+    try:
+        with nogil:
+            matmul_on(p, W, &xv[0, 0], ncols, ne0, &yv[0, 0], ne1, deref(pool))
+    finally:
+        del pool
+    return y
+
+
+def _t_matmul_scalar(int ggml_type, raw, int64_t ne0, int64_t ne1, X, int n_threads=1):
+    """_t_matmul forced onto the scalar path."""
+    return _t_matmul(ggml_type, raw, ne0, ne1, X, n_threads, "scalar")
+
+
+def _t_path_supported(path):
+    """Whether this CPU can run the named SIMD path."""
+    if path == "scalar":
+        return True
+    if path == "avx2":
+        return bool(path_supported(SimdPath.Avx2))
+    raise ValueError(f"unknown SIMD path {path!r}")
+
+
+def _t_pool_chunks(int n_threads, int64_t n, int64_t grain):
+    """The (begin, end) chunks a ThreadPool of n_threads hands out for parallel_for(n, grain)."""
+    cdef vector[pair[int64_t, int64_t]] chunks
+    with nogil:
+        chunks = ds4_testing_pool_chunks(n_threads, n, grain)
+    return [(int(c.first), int(c.second)) for c in chunks]
+
+
+_testing = types.SimpleNamespace(
+    dequantize=_t_dequantize,
+    matmul=_t_matmul,
+    matmul_scalar=_t_matmul_scalar,
+    simd_path=simd_path,
+    path_supported=_t_path_supported,
+    pool_chunks=_t_pool_chunks,
+)
