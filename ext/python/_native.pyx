@@ -4,7 +4,8 @@
 - ``Engine``: the DS4 step executor (ext/engine/engine.h). ``step(plan)`` is one call per engine
   step with the GIL released; inputs are validated here first so a bad plan is a one-line
   ValueError, never undefined behaviour in C++.
-- ``physical_cores()``, ``simd_path()``, ``gpu_backend()``: what this build and machine run.
+- ``physical_cores()``, ``simd_path()``, ``gpu_backend()``, ``gpu_available()``: what this build
+  and machine run.
 - ``_testing``: a private surface over the kernels (dequantizers, matmul on a chosen SIMD path,
   thread-pool chunking) for the tests; not an API.
 
@@ -41,6 +42,11 @@ cdef extern from *:
     #ifndef DS4_GPU_BACKEND
     #define DS4_GPU_BACKEND "off"
     #endif
+    #if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP)
+    int ds4_gpu_device_count();  // defined by the GPU sources (ext/gpu)
+    #else
+    static int ds4_gpu_device_count() { return 0; }  // a CPU-only build sees no devices
+    #endif
 
     // Testing hook: the chunks parallel_for hands out (sorted), to check static contiguous
     // chunking and that every index is covered exactly once.
@@ -58,6 +64,7 @@ cdef extern from *:
     }
     """
     const char* DS4_GPU_BACKEND
+    int ds4_gpu_device_count() except + nogil
     vector[pair[int64_t, int64_t]] ds4_testing_pool_chunks(int n_threads, int64_t n, int64_t grain) except + nogil
 
 
@@ -85,6 +92,14 @@ cdef str active_path_name():
 def gpu_backend():
     """The GPU backend compiled into this module: "off", "cuda" or "hip"."""
     return (<bytes>DS4_GPU_BACKEND).decode()
+
+
+def gpu_available():
+    """Whether this module has a GPU backend and the machine has a device for it."""
+    cdef int n
+    with nogil:
+        n = ds4_gpu_device_count()
+    return n > 0
 
 
 def dtype_supported(int ggml_type):

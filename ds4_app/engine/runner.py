@@ -1,0 +1,180 @@
+"""The runner: executes one StepPlan per engine step on a backend and returns the logits.
+
+``Runner`` is all the scheduler and service see of a backend. ``step(plan)`` is exactly one call
+into native code per step (with the GIL released there); the runner owns no policy.
+
+Backends:
+- ``cpu``: the native C++ engine (``_native.Engine``) over the memory-mapped GGUF.
+- ``reference``: the numpy oracle (``reference.Reference``), one ``SeqState`` per slot, honouring
+  the same plans (lanes in order, logits where asked). It keeps each sequence's own history, so
+  block tables are ignored; it is for tests and tiny models.
+- ``cuda`` / ``hip``: the GPU engine, available only in a module built with ``DS4_GPU``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .config import DS4Config
+from .memory import MemoryPlan, plan_memory
+from .plan import StepLimits, StepPlan
+
+if TYPE_CHECKING:
+    from .gguf_file import ModelFile
+
+BACKENDS = ("cpu", "reference", "cuda", "hip")
+
+
+class BackendUnavailable(RuntimeError):
+    """The requested backend is not in this build (or not on this machine); one line says why."""
+
+
+def default_limits(max_rows: int) -> StepLimits:
+    """Upstream's step policy (StepLimits defaults) fitted to an engine that takes max_rows rows."""
+    base = StepLimits()
+    return StepLimits(max_seqs=min(base.max_seqs, max_rows), max_rows=max_rows,
+                      rows_per_prompt=min(base.rows_per_prompt, max_rows),
+                      lone_prompt_rows=min(base.lone_prompt_rows, max_rows))
+
+
+class Runner:
+    """Runs StepPlans for one loaded model on one backend.
+
+    Args:
+        model: an opened ModelFile.
+        backend: "cpu", "reference", "cuda" or "hip".
+        max_slots: resident sequences (slots 0..max_slots-1).
+        max_ctx: the longest sequence, in tokens.
+        kv_pool_tokens: size of the shared page pool in tokens (default ceil(max_ctx/128) pages
+            per slot).
+        max_rows: the most lanes one step carries (the engine's capacity); default
+            ``limits.max_rows`` if limits are given, else 16.
+        n_threads: CPU threads; 0 means one per physical core.
+        limits: the step policy for the scheduler; default upstream's, fitted to max_rows.
+        qat_numerics: force the spec §7 quantization round trips on or off; None follows the file.
+    """
+
+    def __init__(self, model: "ModelFile", *, backend: str = "cpu", max_slots: int = 6, max_ctx: int = 4096,
+                 kv_pool_tokens: int | None = None, max_rows: int | None = None, n_threads: int = 0,
+                 limits: StepLimits | None = None, qat_numerics: bool | None = None) -> None:
+        if backend not in BACKENDS:
+            raise ValueError(f"unknown backend {backend!r}; choose one of {', '.join(BACKENDS)}")
+        if max_rows is None:
+            max_rows = limits.max_rows if limits is not None else StepLimits().max_rows
+        if limits is None:
+            limits = default_limits(max_rows)
+        elif limits.max_rows != max_rows:
+            raise ValueError(f"limits.max_rows = {limits.max_rows} but max_rows = {max_rows}; they must agree")
+        if max_slots < 1 or max_ctx < 1 or max_rows < 1 or n_threads < 0:
+            raise ValueError(f"bad runner options: max_slots={max_slots} max_ctx={max_ctx} "
+                             f"max_rows={max_rows} n_threads={n_threads}")
+        config = model.config
+        if qat_numerics is not None and qat_numerics != config.qat_numerics:
+            config = dataclasses.replace(config, qat_numerics=bool(qat_numerics))  # re-validated there
+
+        self.model = model
+        self.config: DS4Config = config
+        self.backend = backend
+        self.max_slots = max_slots
+        self.max_ctx = max_ctx
+        self.max_rows = max_rows
+        self.limits = limits
+        self.memory_plan: MemoryPlan = plan_memory(config, max_slots=max_slots, max_ctx=max_ctx,
+                                                   kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
+                                                   weights_bytes=model.file_size)
+        self.n_pages = self.memory_plan.n_pages
+        self.kv_pool_tokens = kv_pool_tokens
+
+        if backend == "reference":
+            self._impl: Any = _ReferenceBackend(config, model, max_slots=max_slots, max_ctx=max_ctx,
+                                                max_rows=max_rows)
+            self.n_threads = 1
+            self.device = "cpu (numpy reference)"
+            return
+        from . import _native
+
+        if backend in ("cuda", "hip"):
+            built = _native.gpu_backend()
+            if built != backend:
+                raise BackendUnavailable(
+                    f"backend {backend!r} is not available: ds4_app.engine._native was built with "
+                    f"DS4_GPU={built}; rebuild with DS4_GPU={backend}")
+            raise BackendUnavailable(f"backend {backend!r}: the {backend} step executor is not in the engine yet")
+        tensors = [(t.name, t.ggml_type, t.ne, t.offset) for t in model.tensors.values()]
+        self._impl = _native.Engine(config, str(model.path), tensors, max_slots=max_slots, max_ctx=max_ctx,
+                                    n_pages=self.n_pages, max_rows=max_rows, n_threads=n_threads)
+        self.n_threads = self._impl.n_threads
+        self.device = f"cpu ({self.n_threads} threads, {_native.simd_path()})"
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        """Run one step; float32 logits [plan.n_logits, n_vocab] for the lanes that asked, in lane order."""
+        return self._impl.step(plan)
+
+    def reset_slot(self, slot: int) -> None:
+        """Forget a slot's state so that a new sequence can start in it."""
+        self._impl.reset_slot(slot)
+
+    def allocated_bytes(self) -> dict[str, int]:
+        """What the backend allocated, by memory-plan section (the reference: nothing it plans)."""
+        return self._impl.allocated_bytes()
+
+    def __repr__(self) -> str:
+        return (f"Runner(backend={self.backend!r}, device={self.device!r}, max_slots={self.max_slots}, "
+                f"max_ctx={self.max_ctx}, n_pages={self.n_pages}, max_rows={self.max_rows})")
+
+
+class _ReferenceBackend:
+    """The numpy oracle behind the Runner interface: one SeqState per slot, lanes run in order."""
+
+    def __init__(self, config: DS4Config, model: "ModelFile", *, max_slots: int, max_ctx: int,
+                 max_rows: int) -> None:
+        from .reference import Reference
+
+        self.ref = Reference(config, model.weights_f32(), qat=config.qat_numerics)
+        self.n_vocab = config.n_vocab
+        self.max_slots = max_slots
+        self.max_ctx = max_ctx
+        self.max_rows = max_rows
+        self.states: list[Any] = [None] * max_slots
+
+    def step(self, plan: StepPlan) -> np.ndarray:
+        if plan.n_lanes > self.max_rows:
+            raise ValueError(f"StepPlan has {plan.n_lanes} lanes; this runner takes at most max_rows={self.max_rows}")
+        lanes = list(zip(plan.lane_slot.tolist(), plan.lane_token.tolist(), plan.lane_pos.tolist(),
+                         plan.lane_logits.tolist()))
+        # Check the whole plan before any state moves, so a bad plan leaves every slot as it was.
+        next_pos: dict[int, int] = {}
+        for i, (slot, token, pos, _) in enumerate(lanes):
+            if not 0 <= slot < self.max_slots:
+                raise ValueError(f"StepPlan.lane_slot[{i}] = {slot} is out of range 0..{self.max_slots - 1}")
+            if not 0 <= token < self.n_vocab:
+                raise ValueError(f"StepPlan.lane_token[{i}] = {token} is out of range 0..{self.n_vocab - 1}")
+            if not 0 <= pos < self.max_ctx:
+                raise ValueError(f"StepPlan.lane_pos[{i}] = {pos} is out of range 0..{self.max_ctx - 1}")
+            state = self.states[slot]
+            expect = next_pos.get(slot, state.pos if state is not None else 0)
+            if pos != expect:
+                # The reference cannot rewind: the scheduler resets a slot before reusing it.
+                raise ValueError(f"StepPlan lane {i}: slot {slot} is at position {expect}, the plan feeds {pos}")
+            next_pos[slot] = pos + 1
+        out = np.empty((plan.n_logits, self.n_vocab), dtype=np.float32)
+        k = 0
+        for slot, token, _, want in lanes:
+            if self.states[slot] is None:
+                self.states[slot] = self.ref.new_state()
+            logits = self.ref.step(self.states[slot], token)
+            if want:
+                out[k] = logits
+                k += 1
+        return out
+
+    def reset_slot(self, slot: int) -> None:
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range 0..{self.max_slots - 1}")
+        self.states[slot] = None
+
+    def allocated_bytes(self) -> dict[str, int]:
+        return {}
