@@ -48,6 +48,7 @@ SimdPath choose_path() {
 }
 
 constexpr int kLanes = 32;
+constexpr int kRowBlock = 4;
 
 // The fixed reduction tree over one column's 32 lanes; the AVX2 reduce below mirrors it exactly.
 float reduce_scalar(const float* a) {
@@ -153,31 +154,38 @@ void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, 
   const int64_t group_bytes = kGroup / block_elems(W.type) * block_bytes(W.type);
   // Per-thread scratch: reused across calls so the hot path does not allocate.
   thread_local std::vector<float> acc_buf;
-  acc_buf.resize(static_cast<size_t>(ncols) * kLanes);
-  float* acc = acc_buf.data();
-  alignas(32) float wbuf[kGroup];
+  acc_buf.resize(static_cast<size_t>(kRowBlock) * ncols * kLanes);
+  alignas(32) float wbuf[kRowBlock][kGroup];
 
-  for (int64_t r = r0; r < r1; ++r) {
-    const uint8_t* row = W.data + r * row_bytes;
-    std::fill(acc_buf.begin(), acc_buf.end(), 0.0f);
+  // kRowBlock rows advance together, group by group, so the group's slice of X (ncols x 1 KiB)
+  // is loaded into L1 once for all of them instead of streaming X from L2 once per row.
+  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - rb));
+    std::fill(acc_buf.begin(), acc_buf.begin() + static_cast<size_t>(nr) * ncols * kLanes, 0.0f);
     for (int64_t k0 = 0; k0 < n; k0 += kGroup) {
       const int64_t len = std::min<int64_t>(kGroup, n - k0);
-      const uint8_t* src = row + k0 / kGroup * group_bytes;
-      const float* w = wbuf;
-      if (W.type == DType::F32 && len == kGroup) {
-        w = reinterpret_cast<const float*>(src);  // already fp32: no copy
-      } else {
-        decode(p, W.type, src, wbuf, len);
-        std::fill(wbuf + len, wbuf + kGroup, 0.0f);
-      }
-      if (p == SimdPath::Avx2) {
-        accumulate_columns_avx2(w, len, X, ncols, ldx, k0, acc);
-      } else {
-        for (int c = 0; c < ncols; ++c) accumulate_scalar(w, len, X + c * ldx + k0, acc + c * kLanes);
+      for (int i = 0; i < nr; ++i) {
+        const uint8_t* src = W.data + (rb + i) * row_bytes + k0 / kGroup * group_bytes;
+        const float* w = wbuf[i];
+        if (W.type == DType::F32 && len == kGroup) {
+          w = reinterpret_cast<const float*>(src);  // already fp32: no copy
+        } else {
+          decode(p, W.type, src, wbuf[i], len);
+          std::fill(wbuf[i] + len, wbuf[i] + kGroup, 0.0f);
+        }
+        float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
+        if (p == SimdPath::Avx2) {
+          accumulate_columns_avx2(w, len, X, ncols, ldx, k0, acc);
+        } else {
+          for (int c = 0; c < ncols; ++c) accumulate_scalar(w, len, X + c * ldx + k0, acc + c * kLanes);
+        }
       }
     }
-    for (int c = 0; c < ncols; ++c)
-      Y[c * ldy + r] = p == SimdPath::Avx2 ? reduce_avx2(acc + c * kLanes) : reduce_scalar(acc + c * kLanes);
+    for (int i = 0; i < nr; ++i) {
+      const float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
+      for (int c = 0; c < ncols; ++c)
+        Y[c * ldy + rb + i] = p == SimdPath::Avx2 ? reduce_avx2(acc + c * kLanes) : reduce_scalar(acc + c * kLanes);
+    }
   }
 }
 
