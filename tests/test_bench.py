@@ -27,8 +27,8 @@ from ds4_app.bench.fixtures import MIXED, REPLICATED
 from ds4_app.bench.fixtures.build_mixed import build_mixed, build_replicated, render
 from ds4_app.bench.metrics import RequestRecord, level_metrics, percentile, set_sha256, sha256_text
 from ds4_app.bench.progress import Progress
-from ds4_app.bench.prompts import PromptError, PromptSet, load_prompts, read_jsonl
-from ds4_app.bench.report import CHART_SKIPPED, build_report, chart_available, markdown, write_reports
+from ds4_app.bench.prompts import PromptError, load_prompts, read_jsonl
+from ds4_app.bench.report import CHART_SKIPPED, chart_available, write_reports
 from ds4_app.bench.runner import BenchPlan, LevelRun, run_levels, run_wave
 from ds4_app.cli import UserError, build_parser, main
 from ds4_app.commands.bench import apply_overrides, command_line, parse_levels

@@ -73,7 +73,6 @@ def machine_info() -> dict:
         "cores_physical": physical,
         "platform": platform.platform(),
         "python": sys.version.split()[0],
-        "hostname": platform.node(),
     }
 
 

@@ -257,7 +257,7 @@ def run(args: argparse.Namespace) -> int:
                          "requests beyond the slots queued inside the engine (their TTFT includes the wait)")
         if t.url is not None:
             notes.append(f"{who}: native timings are the server's usage timings where it reports them, "
-                         "else the remote client's own estimates")
+                         "else the remote client's own estimates; the machine recorded is the bench client's")
     files = write_reports(out_dir, results, comparison, prompt_set=prompt_set, label=label,
                           command=command_line(parser, args), notes=notes, chart=args.chart)
     print(files.markdown.read_text(encoding="utf-8"))
