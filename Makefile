@@ -12,7 +12,7 @@ $(BIN)/python:
 	$(BIN)/python -m pip install -q --upgrade pip
 
 install: $(BIN)/python
-	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q -e ".[test]" -C editable.mode=inplace
 
 run: install
 	$(BIN)/ds4-app
