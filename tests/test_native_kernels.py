@@ -105,6 +105,19 @@ def test_dequantize_bit_identical_to_gguf(t: int, path: str) -> None:
         f"{got[mismatch[0]]!r} vs gguf {ref[mismatch[0]]!r}")
 
 
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("t", [1, 30], ids=["F16", "BF16"])
+def test_every_16_bit_pattern_converts_as_numpy_does(t: int, path: str) -> None:
+    # All 65536 patterns: zeros, subnormals, normals, infinities. NaNs must stay NaN (F16C
+    # quiets signalling NaNs where numpy keeps the payload; weights never hold NaNs).
+    h = np.arange(1 << 16, dtype=np.uint16)
+    ref = gguf_ref(t, h.view(np.uint8), h.size)
+    got = T.dequantize(t, h.view(np.uint8), h.size, path)
+    nan = np.isnan(ref)
+    assert np.array_equal(np.isnan(got), nan)
+    assert np.array_equal(got.view(np.uint32)[~nan], ref.view(np.uint32)[~nan])
+
+
 def test_dequantize_rejects_partial_blocks_and_non_weight_types() -> None:
     raw = np.zeros(34 * 2, dtype=np.uint8)
     with pytest.raises(ValueError, match="whole number"):

@@ -97,44 +97,38 @@ void dequantize_row(DType t, const uint8_t* src, float* dst, int64_t n) {
 namespace cpu {
 namespace {
 
-// numpy's npy_halfbits_to_floatbits: exact for every half, NaN payloads included.
-inline float half_to_float(uint16_t h) {
-  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
-  uint32_t exp = h & 0x7c00u;
-  uint32_t bits;
-  if (exp == 0) {
-    uint32_t sig = h & 0x03ffu;
-    if (sig == 0) {
-      bits = sign;
-    } else {
-      sig <<= 1;
-      int e = 0;
-      while ((sig & 0x0400u) == 0) {
-        sig <<= 1;
-        ++e;
-      }
-      bits = sign | (static_cast<uint32_t>(127 - 15 - e) << 23) | ((sig & 0x03ffu) << 13);
-    }
-  } else if (exp == 0x7c00u) {
-    bits = sign | 0x7f800000u | (static_cast<uint32_t>(h & 0x03ffu) << 13);
-  } else {
-    bits = sign | ((static_cast<uint32_t>(h & 0x7fffu) + 0x1c000u) << 13);
-  }
+inline float bits_to_float(uint32_t bits) {
   float f;
   std::memcpy(&f, &bits, 4);
   return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  return bits;
+}
+
+// Half to float, exact for every half (NaN payloads included), as numpy converts: move the
+// exponent and mantissa into place and rebias; subnormals come out exactly as
+// (2^-14 + m*2^-24) - 2^-14. Branch-light so the scalar loops stay fast.
+// Written with masks, not branches, so that the compiler vectorizes the scalar loops over it.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t o = (static_cast<uint32_t>(h & 0x7fffu) << 13) + ((127u - 15u) << 23);
+  const uint32_t exp = static_cast<uint32_t>(h & 0x7c00u);
+  const uint32_t infnan = o + ((128u - 16u) << 23);  // inf and NaN keep an all-ones exponent
+  const uint32_t sub = float_to_bits(bits_to_float(o + (1u << 23)) - bits_to_float(113u << 23));
+  const uint32_t m_infnan = 0u - static_cast<uint32_t>(exp == 0x7c00u);
+  const uint32_t m_sub = 0u - static_cast<uint32_t>(exp == 0);
+  const uint32_t r = (infnan & m_infnan) | (sub & m_sub) | (o & ~(m_infnan | m_sub));
+  return bits_to_float(r | sign);
 }
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
   std::memcpy(&v, p, 2);
   return v;
-}
-
-inline float bits_to_float(uint32_t bits) {
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
 }
 
 // ggml_e8m0_to_fp32_half: 2^(e-128), subnormal for e < 2.
