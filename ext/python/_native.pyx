@@ -213,7 +213,7 @@ cdef class Engine:
 
     def _validate(self, lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table):
         n = lane_slot.shape[0]
-        if lane_slot.ndim != 1 or any(a.shape != (n,) for a in (lane_token, lane_pos, lane_logits)):
+        if lane_slot.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in (lane_token, lane_pos, lane_logits)):
             raise ValueError("StepPlan lane arrays must be 1-D of one length")
         if n > self.max_rows:
             raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={self.max_rows}")
@@ -225,20 +225,7 @@ cdef class Engine:
         _check_range("lane_pos", lane_pos, 0, self.max_ctx)
         _check_range("lane_logits", lane_logits, 0, 2)
         _check_range("block_table", block_table.reshape(-1), -1, self.n_pages)
-        if np.unique(table_slot).shape[0] != table_slot.shape[0]:
-            raise ValueError("StepPlan.table_slot names a slot twice")
-        missing = np.setdiff1d(lane_slot, table_slot)
-        if missing.size:
-            raise ValueError(f"StepPlan lane slot {int(missing[0])} has no block-table row")
-        if n > 1:
-            # Lanes of one slot are chronological: consecutive positions in lane order.
-            order = np.argsort(lane_slot, kind="stable")
-            s, p = lane_slot[order], lane_pos[order]
-            bad = np.nonzero((s[1:] == s[:-1]) & (p[1:] != p[:-1] + 1))[0]
-            if bad.size:
-                i = int(order[bad[0] + 1])
-                raise ValueError(f"StepPlan lane {i}: slot {int(lane_slot[i])} position {int(lane_pos[i])} "
-                                 f"does not follow its previous lane's position")
+        _check_slots(lane_slot, lane_pos, table_slot, self.max_slots)
 
     def reset_slot(self, int slot):
         """Forget everything a slot held, so a new sequence starts clean in it."""
@@ -289,13 +276,38 @@ cdef ModelConfig _model_config(config) except *:
     return c
 
 
-def _check_range(name, arr, lo, hi):
-    if arr.size == 0:
-        return
-    bad = np.nonzero((arr < lo) | (arr >= hi))[0]
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"StepPlan.{name}[{i}] = {int(arr[i])} is out of range {lo}..{hi - 1}")
+# Plan checks run as plain loops over at most max_rows lanes and a few table rows: a step's
+# validation costs about a microsecond, not the tens a chain of numpy calls would.
+
+
+def _check_range(str name, const int32_t[::1] arr, int64_t lo, int64_t hi):
+    cdef Py_ssize_t i
+    for i in range(arr.shape[0]):
+        if arr[i] < lo or arr[i] >= hi:
+            raise ValueError(f"StepPlan.{name}[{i}] = {arr[i]} is out of range {lo}..{hi - 1}")
+
+
+def _check_slots(const int32_t[::1] lane_slot, const int32_t[::1] lane_pos, const int32_t[::1] table_slot,
+                 int max_slots):
+    """Each table slot once, each lane's slot in the table, each slot's lanes at consecutive positions."""
+    cdef vector[int32_t] in_table, next_pos
+    in_table.assign(max_slots, 0)
+    next_pos.assign(max_slots, -1)
+    cdef Py_ssize_t i
+    cdef int32_t s
+    for i in range(table_slot.shape[0]):
+        s = table_slot[i]
+        if in_table[s]:
+            raise ValueError(f"StepPlan.table_slot names a slot twice (slot {s})")
+        in_table[s] = 1
+    for i in range(lane_slot.shape[0]):
+        s = lane_slot[i]
+        if not in_table[s]:
+            raise ValueError(f"StepPlan lane slot {s} has no block-table row")
+        if next_pos[s] >= 0 and lane_pos[i] != next_pos[s]:
+            raise ValueError(f"StepPlan lane {i}: slot {s} position {lane_pos[i]} does not follow its "
+                             f"previous lane's position")
+        next_pos[s] = lane_pos[i] + 1
 
 
 # --- private testing surface ---------------------------------------------------------------------
