@@ -255,3 +255,10 @@ def test_parallel_for_static_contiguous_chunks(threads: int, n: int, grain: int)
 def test_physical_cores_is_positive_and_bounded_by_the_cpu_count() -> None:
     cores = native.physical_cores()
     assert 1 <= cores <= (os.cpu_count() or 1)
+
+
+@pytest.mark.parametrize("bad", [0, 5, 9])
+def test_parallel_for_rethrows_a_chunk_error_and_the_pool_stays_usable(bad: int) -> None:
+    # The C++ exception arrives as RuntimeError (except +) after a second job ran every index.
+    with pytest.raises(RuntimeError, match="rethrown after a second job covered 10"):
+        T.pool_throw(3, 10, bad)

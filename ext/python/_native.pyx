@@ -34,7 +34,10 @@ from ds4 cimport (
 cdef extern from *:
     """
     #include <algorithm>
+    #include <atomic>
     #include <mutex>
+    #include <stdexcept>
+    #include <string>
     #include <utility>
     #include <vector>
     #include "ds4/kernels.h"
@@ -62,10 +65,27 @@ cdef extern from *:
       std::sort(chunks.begin(), chunks.end());
       return chunks;
     }
+
+    // Testing hook: a chunk that throws. The pool must finish the other chunks, rethrow on the
+    // calling thread, and stay usable; returns how many indices ran after the failed job.
+    static int64_t ds4_testing_pool_throw(int n_threads, int64_t n, int64_t bad) {
+      ds4::ThreadPool pool(n_threads);
+      try {
+        pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+          if (b <= bad && bad < e) throw std::runtime_error("chunk " + std::to_string(b) + " failed");
+        });
+      } catch (const std::runtime_error&) {
+        std::atomic<int64_t> count{0};
+        pool.parallel_for(n, 1, [&](int64_t b, int64_t e) { count += e - b; });
+        throw std::runtime_error("rethrown after a second job covered " + std::to_string(count.load()));
+      }
+      return -1;
+    }
     """
     const char* DS4_GPU_BACKEND
     int ds4_gpu_device_count() except + nogil
     vector[pair[int64_t, int64_t]] ds4_testing_pool_chunks(int n_threads, int64_t n, int64_t grain) except + nogil
+    int64_t ds4_testing_pool_throw(int n_threads, int64_t n, int64_t bad) except + nogil
 
 
 PAGE_TOKENS = 128
@@ -413,6 +433,12 @@ def _t_pool_chunks(int n_threads, int64_t n, int64_t grain):
     return [(int(c.first), int(c.second)) for c in chunks]
 
 
+def _t_pool_throw(int n_threads, int64_t n, int64_t bad):
+    """Run a parallel_for whose chunk holding index bad throws (see ds4_testing_pool_throw)."""
+    with nogil:
+        ds4_testing_pool_throw(n_threads, n, bad)
+
+
 _testing = types.SimpleNamespace(
     dequantize=_t_dequantize,
     matmul=_t_matmul,
@@ -420,4 +446,5 @@ _testing = types.SimpleNamespace(
     simd_path=simd_path,
     path_supported=_t_path_supported,
     pool_chunks=_t_pool_chunks,
+    pool_throw=_t_pool_throw,
 )
