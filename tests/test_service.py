@@ -73,26 +73,53 @@ def test_six_concurrent_requests_match_solo(tiny_model, solo_tokens, mode):
         assert fin.tokens == solo_tokens[(p, mode)], p
 
 
-def test_resident_session_prefills_only_new_tokens(tiny_model):
+def two_turns(svc, between=None):
+    """Turn 1 and turn 2 of session s1; ``between`` runs after turn 1 (e.g. to evict it)."""
     turn1 = [Message("user", "Hello, who are you?")]
+    text1, fin1 = collect(svc.submit(GenerationRequest(messages=tuple(turn1), session="s1",
+                                                       sampling=SamplerConfig(max_tokens=8))))
+    if between:
+        between(svc)
+    turn2 = turn1 + [Message("assistant", text1), Message("user", "And what can you do?")]
+    _, fin2 = collect(svc.submit(GenerationRequest(messages=tuple(turn2), session="s1",
+                                                   sampling=SamplerConfig(max_tokens=8))))
+    return fin1, fin2
+
+
+def test_resident_session_prefills_only_new_tokens(tiny_model):
+    with make_service(tiny_model, max_slots=1) as svc:
+        fin1, fin2 = two_turns(svc, between=lambda s: (
+            assert_resident(s), None))
+    # Only the tokens after the resident prefix were prefilled: the whole first turn is cached.
+    assert fin2.usage.cached_tokens == fin1.usage.prompt_tokens + fin1.usage.completion_tokens - 1
+    assert fin2.usage.prompt_tokens > fin2.usage.cached_tokens
+
+    # The same turns where the session is evicted in between: turn 2 prefills everything from
+    # scratch (a fresh full-prompt run over the same tokens) and gives the same reply.
+    def evict(s):
+        collect(s.submit(chat("something else", max_tokens=2)))  # needs the only slot
+        assert s.stats().pool.evictions == 1
+
+    with make_service(tiny_model, max_slots=1) as svc:
+        fresh1, fresh2 = two_turns(svc, between=evict)
+    assert fresh2.usage.cached_tokens == 0
+    assert fresh2.usage.prompt_tokens == fin2.usage.prompt_tokens
+    assert fresh2.tokens == fin2.tokens and fresh1.tokens == fin1.tokens
+
+
+def assert_resident(svc):
+    lanes = svc.stats().lanes
+    assert [lane.state for lane in lanes] == ["resident"] and lanes[0].session == "s1"
+
+
+def test_forget_session_frees_its_slot(tiny_model):
     with make_service(tiny_model) as svc:
-        s1 = svc.submit(GenerationRequest(messages=tuple(turn1), session="s1",
-                                          sampling=SamplerConfig(max_tokens=8)))
-        text1, fin1 = collect(s1)
-        assert svc.stats().lanes and svc.stats().lanes[0].state == "resident"
-        turn2 = turn1 + [Message("assistant", text1), Message("user", "And what can you do?")]
-        req2 = GenerationRequest(messages=tuple(turn2), session="s1", sampling=SamplerConfig(max_tokens=8))
-        _, fin2 = collect(svc.submit(req2))
-        full2 = svc.prompt_tokens(req2.messages, None)
-    # Only the tokens after the resident prefix were prefilled.
-    assert fin2.usage.cached_tokens > 0
-    assert fin2.usage.prompt_tokens == len(full2)
-    assert fin2.usage.cached_tokens >= fin1.usage.prompt_tokens
-    # And the reply equals a fresh full-prompt run.
-    with make_service(tiny_model) as fresh:
-        _, ref = collect(fresh.submit(GenerationRequest(messages=tuple(turn2), sampling=SamplerConfig(max_tokens=8))))
-    assert ref.usage.cached_tokens == 0
-    assert fin2.tokens == ref.tokens
+        collect(svc.submit(GenerationRequest(messages=(Message("user", "hi"),), session="gone",
+                                             sampling=SamplerConfig(max_tokens=3))))
+        assert_resident_count = sum(1 for lane in svc.stats().lanes if lane.state == "resident")
+        assert assert_resident_count == 1
+        svc.forget_session("gone")
+        assert wait_until(lambda: not svc.stats().lanes and svc.stats().pool.used == 0)
 
 
 def test_pressure_twenty_requests_on_a_small_pool(tiny_model, solo_tokens):
@@ -108,13 +135,13 @@ def test_pressure_twenty_requests_on_a_small_pool(tiny_model, solo_tokens):
     assert st.requests_finished == 20
 
 
-def test_pressure_evicts_resident_sessions_and_preempts(tiny_model):
+def test_pressure_evicts_resident_sessions(tiny_model):
     with make_service(tiny_model, max_slots=4, max_ctx=1024, kv_pool_tokens=4 * 128) as svc:
         for i in range(3):
             collect(svc.submit(GenerationRequest(messages=(Message("user", f"session {i}"),), session=f"s{i}",
                                                  sampling=SamplerConfig(max_tokens=4))))
         assert sum(1 for lane in svc.stats().lanes if lane.state == "resident") == 3
-        long_prompt = "word " * 300  # needs 3+ pages: idle sessions must go
+        long_prompt = "word " * 130  # about 3 pages: parked sessions must make room
         _, fin = collect(svc.submit(chat(long_prompt, max_tokens=4)))
         assert fin.finish_reason == "length"
         st = svc.stats()
@@ -168,6 +195,7 @@ def test_admission_errors(tiny_model):
         with pytest.raises(ExceedsPool):
             svc.submit(chat("hi", max_tokens=10_000))
         first = svc.submit(chat("hi", max_tokens=200, ignore_eos=True))
+        assert wait_until(lambda: svc.stats().n_running == 1)
         second = svc.submit(chat("hi", max_tokens=4))  # waits: the one slot is busy
         with pytest.raises(QueueFull):
             svc.submit(chat("hi", max_tokens=4))

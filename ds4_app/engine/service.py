@@ -31,7 +31,7 @@ import numpy as np
 from .api import (ContextLengthExceeded, EngineUnavailable, Event, ExceedsPool, Finished,
                   GenerationRequest, InvalidRequest, LaneStats, PoolStats, QueueFull, StatsSnapshot,
                   Usage)
-from .chat import Delta, Message, ReplyParser, encode_chat
+from .chat import Delta, Message, ReplyParser, encode_chat, render_chat
 from .pages import PagePool, pages_for
 from .sampling import StopMatcher, sample
 from .scheduler import Scheduler
@@ -120,6 +120,18 @@ class RequestStream:
                 self._waiters.remove((loop, event))
 
 
+@dataclass(frozen=True, slots=True)
+class _SessionHistory:
+    """What a chat session's last finished turn left: its messages, the reply it produced and the
+    exact tokens behind them. The next turn continues these tokens instead of re-tokenizing the
+    reply text (BPE need not give back the tokens that were generated), so a resident slot's state
+    stays a prefix of the new prompt, and a recompute after eviction sees the same tokens."""
+
+    messages: tuple[Message, ...]
+    reply: str
+    tokens: tuple[int, ...]
+
+
 @dataclass(slots=True, eq=False)
 class _Request:
     """The service's record of one request (engine thread only, after submission)."""
@@ -133,6 +145,7 @@ class _Request:
     slot: int | None = None
     cached: int = 0
     generated: list[int] = field(default_factory=list)
+    content: list[str] = field(default_factory=list)  # content text streamed so far
     t_admit: float = 0.0
     t_first: float = 0.0
     t_last: float = 0.0
@@ -157,10 +170,12 @@ class EngineService:
         self._wake = threading.Condition(self._lock)
         self._queue: collections.deque[_Request] = collections.deque()
         self._cancels: set[str] = set()
+        self._forget: set[str] = set()  # sessions whose resident slot and history go
         self._live: dict[str, _Request] = {}  # admitted or queued, by request id
         self._by_slot: dict[int, _Request] = {}
         self._stopping = False
         self._failed: str | None = None
+        self._sessions: dict[str, _SessionHistory] = {}
         self._rates = _Rates()
         self._counters = collections.Counter()
         self._last_step = (0, 0)
@@ -217,7 +232,8 @@ class EngineService:
             raise InvalidRequest("messages is empty: send at least one message")
         if request.prompt is not None and not request.prompt:
             raise InvalidRequest("prompt is empty")
-        tokens = self.prompt_tokens(request.messages, request.prompt, request.thinking)
+        tokens = self._session_prompt(request) or self.prompt_tokens(request.messages, request.prompt,
+                                                                      request.thinking)
         n = len(tokens)
         if n > self.max_ctx:
             raise ContextLengthExceeded(f"prompt is {n} tokens, the context is {self.max_ctx}")
@@ -243,12 +259,38 @@ class EngineService:
             self._wake.notify()
         return stream
 
+    def _session_prompt(self, request: GenerationRequest) -> list[int] | None:
+        """The tokens of a session's next turn when it continues the last one exactly (chat mode):
+        the last turn's tokens, EOS if the reply did not end with it, then the new messages."""
+        h = self._sessions.get(request.session) if request.session else None
+        msgs = request.messages
+        if h is None or msgs is None or request.thinking:
+            return None
+        k = len(h.messages)
+        if len(msgs) <= k + 1 or msgs[:k] != h.messages:
+            return None
+        reply = msgs[k]
+        if reply.role != "assistant" or reply.content != h.reply:
+            return None
+        head = render_chat(msgs[: k + 1], thinking=False)
+        full = render_chat(msgs, thinking=False)
+        if not full.startswith(head):
+            return None
+        eos = self.tokenizer.eos_id
+        return list(h.tokens) + ([] if h.tokens[-1] == eos else [eos]) + self.tokenizer.encode(full[len(head):])
+
     def cancel(self, request_id: str) -> None:
         """Retire the request before the next step; its stream ends with finish_reason "cancelled"."""
         with self._lock:
             if request_id in self._live:
                 self._cancels.add(request_id)
                 self._wake.notify()
+
+    def forget_session(self, session: str) -> None:
+        """Drop a chat session (its tab closed): its resident slot is freed before the next step."""
+        with self._lock:
+            self._forget.add(session)
+            self._wake.notify()
 
     def stats(self) -> StatsSnapshot:
         return self._stats
@@ -270,7 +312,9 @@ class EngineService:
                     if self._stopping:
                         break
                     cancels, self._cancels = self._cancels, set()
+                    forget, self._forget = self._forget, set()
                 self._apply_cancels(cancels)
+                self._apply_forget(forget)
                 self._admit()
                 self._step()
                 self._publish_stats()
@@ -284,13 +328,20 @@ class EngineService:
             self._publish_stats()
 
     def _has_work(self) -> bool:
-        return bool(self._queue or self._cancels or self._by_slot)
+        return bool(self._queue or self._cancels or self._forget or self._by_slot)
 
     def _apply_cancels(self, ids: set[str]) -> None:
         for rid in ids:
             r = self._live.get(rid)
             if r is not None:
                 self._finish(r, "cancelled")
+
+    def _apply_forget(self, sessions: set[str]) -> None:
+        for session in sessions:
+            self._sessions.pop(session, None)
+            slot = self.slots.find_session(session)
+            if slot is not None:
+                self.slots.retire(slot)
 
     def _admit(self) -> None:
         """Admit queued requests in FIFO order while slots and pages allow."""
@@ -406,6 +457,7 @@ class EngineService:
         if d.kind == "content":
             text, stopped = r.stops.feed(d.text)
             if text:
+                r.content.append(text)
                 r.stream.push(Delta("content", text))
             return not stopped
         r.stream.push(d)
@@ -417,6 +469,7 @@ class EngineService:
                 return
         tail = r.stops.flush()
         if tail:
+            r.content.append(tail)
             r.stream.push(Delta("content", tail))
 
     def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
@@ -435,6 +488,7 @@ class EngineService:
             s = self.slots.get(r.slot)
             if s is not None:
                 if r.req.session and reason in ("stop", "length") and s.state is SlotState.RUNNING:
+                    self._remember_session(r, s.tokens)
                     self.slots.park(r.slot, r.req.session)
                 else:
                     self.slots.retire(r.slot)
@@ -447,6 +501,15 @@ class EngineService:
         self._counters["finished"] += 1
         self._counters[f"finished_{reason}"] += 1
         r.stream.push(Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
+
+    def _remember_session(self, r: _Request, tokens: list[int]) -> None:
+        """Keep the turn's tokens for the session's next turn, unless a stop string cut the reply
+        (the tokens would then hold text the conversation never shows)."""
+        if r.req.messages is None or r.stops.stopped:
+            self._sessions.pop(r.req.session, None)
+            return
+        self._sessions[r.req.session] = _SessionHistory(
+            messages=r.req.messages, reply="".join(r.content), tokens=tuple(tokens))
 
     # ------------------------------------------------------------------ stats
     def _publish_stats(self) -> None:
