@@ -1,0 +1,134 @@
+"""The memory plan: what the native engine allocates, computed before it allocates it.
+
+``plan_memory`` is printed at start (and by ``ds4-app model inspect``) and is exactly what the
+C++ engine allocates: a test checks ``Engine.allocated_bytes()`` against it section by section.
+The formulas mirror ``ext/engine/paged_state.cpp`` and ``ext/engine/scratch.cpp``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import PAGE_TOKENS, RING_ROWS, DS4Config
+
+SECTIONS = ("rings", "compressor_state", "pages", "block_tables", "scratch", "weights_mapped")
+_F16 = 2
+_F32 = 4
+_ALIGN = 64  # every scratch buffer starts on a cache line
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """Bytes per section of the engine's allocations, the page count and their total."""
+
+    sections: dict[str, int]
+    n_pages: int
+    total: int
+
+    def format(self) -> str:
+        """A readable table in MiB, one section a line, then the total and the page count."""
+        width = max(len(k) for k in self.sections)
+        lines = [f"{'section':<{width}}  {'MiB':>12}"]
+        for name, nbytes in self.sections.items():
+            lines.append(f"{name:<{width}}  {nbytes / 2**20:12.3f}")
+        lines.append(f"{'total':<{width}}  {self.total / 2**20:12.3f}")
+        lines.append(f"page pool: {self.n_pages} pages of {PAGE_TOKENS} tokens "
+                     f"({self.n_pages * PAGE_TOKENS} tokens of compressed history)")
+        return "\n".join(lines)
+
+
+def plan_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_tokens: int | None = None,
+                max_rows: int = 16, weights_bytes: int = 0) -> MemoryPlan:
+    """The engine's allocations for ``max_slots`` sequences of up to ``max_ctx`` tokens.
+
+    With D = head_dim, Di = index_head_dim, CSA/HCA the layers of ratio 4/128, and S = max_slots:
+
+    - n_pages = ceil(kv_pool_tokens / 128) if given, else ceil(max_ctx / 128) * S.
+    - rings = n_layer * S * 128 * D * 2 (f16 raw window rows, every layer).
+    - compressor_state = S * 4 * (|CSA| * (2*8*2D + 2*8*2Di) + |HCA| * 2*128*D)
+      (fp32 value and score: CSA 8 rows at double width, its indexer likewise, HCA 128 rows).
+    - pages = n_pages * 2 * (|CSA| * 32 * (D + Di) + |HCA| * D)
+      (f16 compressed rows of 128 tokens: 32 rows per CSA layer plus 32 indexer rows, 1 per HCA).
+    - block_tables = (S * ceil(max_ctx / 128) + n_pages) * 4 (int32 tables, plus a page -> slot
+      map that lets a step refuse a page named by two slots).
+    - scratch = sum over the step arena's buffers (``_scratch_buffers``) of 4 * elements rounded
+      up to 64 bytes; it scales with max_rows, and with max_ctx only through the indexer's
+      candidate list and the attention logits.
+    - weights_mapped = weights_bytes (the model file, mapped read-only, not copied).
+
+    Doubling S doubles rings, compressor_state and block_tables; pages depend only on n_pages.
+    """
+    if max_slots < 1 or max_ctx < 1 or max_rows < 1:
+        raise ValueError("plan_memory needs max_slots, max_ctx and max_rows >= 1")
+    if kv_pool_tokens is not None and kv_pool_tokens < 1:
+        raise ValueError(f"kv_pool_tokens must be positive, got {kv_pool_tokens}")
+    pages_per_seq = -(-max_ctx // PAGE_TOKENS)
+    n_pages = -(-kv_pool_tokens // PAGE_TOKENS) if kv_pool_tokens is not None else pages_per_seq * max_slots
+
+    d_head, d_idx = cfg.head_dim, cfg.index_head_dim
+    n_csa = len(cfg.layers_with_ratio(4))
+    n_hca = len(cfg.layers_with_ratio(128))
+    state_floats = n_csa * (2 * 8 * 2 * d_head + 2 * 8 * 2 * d_idx) + n_hca * 2 * 128 * d_head
+    page_elems = n_csa * (PAGE_TOKENS // 4) * (d_head + d_idx) + n_hca * d_head
+    sections = {
+        "rings": cfg.n_layer * max_slots * RING_ROWS * d_head * _F16,
+        "compressor_state": max_slots * state_floats * _F32,
+        "pages": n_pages * page_elems * _F16,
+        "block_tables": (max_slots * pages_per_seq + n_pages) * 4,
+        "scratch": sum(_padded(n) for _, n in _scratch_buffers(cfg, max_rows, max_ctx)),
+        "weights_mapped": int(weights_bytes),
+    }
+    return MemoryPlan(sections=sections, n_pages=n_pages, total=sum(sections.values()))
+
+
+def _padded(elems: int) -> int:
+    return -(-elems * 4 // _ALIGN) * _ALIGN
+
+
+def _scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list[tuple[str, int]]:
+    """The step arena's buffers in allocation order: (name, 4-byte elements). Mirrors Scratch."""
+    R = max_rows
+    d, hc, hd, nh = cfg.n_embd, cfg.hc_mult, cfg.head_dim, cfg.n_head
+    ihd, inh, K = cfg.index_head_dim, cfg.index_n_heads, cfg.n_expert_used
+    csa = 4 in cfg.compress_ratios
+    hca = 128 in cfg.compress_ratios
+    cw = 2 * hd if csa else (hd if hca else 0)  # compressor projection width
+    icw = 2 * ihd if csa else 0
+    n_idx = max_ctx // 4 if csa else 0  # indexer candidates of one query
+    n_comp = max(min(cfg.index_topk, max_ctx // 4) if csa else 0, max_ctx // 128 if hca else 0)
+    n_keys = RING_ROWS + n_comp
+    pool_w = max(hd if (csa or hca) else 0, ihd if csa else 0)
+    return [
+        ("x_hc", R * hc * d),
+        ("hc_mix", R * (2 + hc) * hc),
+        ("hc_post", R * hc),
+        ("hc_comb", R * hc * hc),
+        ("u", R * d),
+        ("q_lat", R * cfg.q_lora_rank),
+        ("q", R * nh * hd),
+        ("kv", R * hd),
+        ("comp_kv", R * cw),
+        ("comp_sc", R * cw),
+        ("idx_q", R * inh * ihd if csa else 0),
+        ("idx_w", R * inh if csa else 0),
+        ("idx_kv", R * icw),
+        ("idx_sc", R * icw),
+        ("ape", R * max(cw, icw)),
+        ("attn_out", R * nh * hd),
+        ("o_low", R * cfg.o_groups * cfg.o_lora_rank),
+        ("y", R * d),
+        ("router", R * cfg.n_expert),
+        ("sel_w", R * K),
+        ("sel_id", R * K),
+        ("ex_in", R * d),
+        ("ex_gate", R * cfg.expert_ffn),
+        ("ex_up", R * cfg.expert_ffn),
+        ("ex_down", R * d),
+        ("ex_out", R * K * d),
+        ("att_logits", R * nh * n_keys),
+        ("comp_sel", R * n_comp),
+        ("idx_scores", R * n_idx),
+        ("idx_order", R * n_idx),
+        ("pooled", R * pool_w),
+        ("head_in", R * d),
+    ]

@@ -1,0 +1,485 @@
+// The DS4 step executor on the CPU (design.md §6): one forward pass over all lanes of a step.
+//
+// Per layer:
+//   (A) batched over lanes: mHC pre, attn_norm, q_a -> q_norm -> q_b, per-head norm + RoPE,
+//       kv -> kv_norm -> RoPE (-> FP8 QAT), compressor and indexer projections;
+//   (B) per slot, its lanes in order (slots in parallel): store the lane's raw row, update the
+//       compressors (emitting finished rows into pages), pick the indexer's top-k, attend;
+//       lane i's row is written before lane i attends and lane i+1's only after, so a
+//       16-row prompt chunk never overwrites a ring row an earlier lane still reads;
+//   (C) batched: grouped output projection, mHC post, then the FFN site (mHC pre, ffn_norm,
+//       MoE, mHC post).
+// Then hc_head, output_norm and the LM head for the lanes that asked for logits.
+//
+// Batch invariance: matmul computes each column with single-column arithmetic, and everything
+// else here is per lane with a fixed order (threads split lanes, slots or heads, never a sum),
+// so a lane's logits are bit-identical whatever shares its step.
+#include "engine.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <stdexcept>
+#include <string>
+#include <utility>
+
+#include "attention.h"
+#include "compressor.h"
+#include "ds4/kernels.h"
+#include "mhc.h"
+#include "moe.h"
+#include "ops.h"
+#include "paged_state.h"
+#include "scratch.h"
+#include "weights.h"
+
+namespace ds4 {
+
+namespace {
+
+void check_config(const ModelConfig& c, const EngineOptions& o) {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  need(c.n_layer >= 1 && static_cast<int>(c.compress_ratios.size()) == c.n_layer,
+       "compress_ratios needs one entry per layer");
+  need(static_cast<int>(c.rope_inv_freqs.size()) == c.n_layer, "rope_inv_freqs needs one table per layer");
+  for (const auto& t : c.rope_inv_freqs)
+    need(static_cast<int>(t.size()) == c.rope_dim / 2, "each rope_inv_freqs table needs rope_dim/2 entries");
+  need(static_cast<int>(c.swiglu_clamp_exp.size()) == c.n_layer &&
+           static_cast<int>(c.swiglu_clamp_shexp.size()) == c.n_layer,
+       "swiglu clamps need one value per layer");
+  for (int r : c.compress_ratios) need(r == 0 || r == 4 || r == 128, "compress ratios must be 0, 4 or 128");
+  need(c.sliding_window == kRingRows, "the paged engine needs sliding_window = 128");
+  need(c.rope_dim % 2 == 0 && c.rope_dim > 0 && c.rope_dim / 2 <= kMaxRopeHalf && c.rope_dim <= c.head_dim,
+       "rope_dim must be even, positive, at most head_dim and 512");
+  need(c.head_dim <= kMaxHeadDim && c.index_head_dim <= kMaxHeadDim, "head dims above 4096 are not supported");
+  need(c.hc_mult >= 1 && c.hc_mult <= kMaxHc, "hc_mult must be in 1..16");
+  need(c.n_head >= 1 && c.o_groups >= 1 && c.n_head % c.o_groups == 0, "n_head must be a multiple of o_groups");
+  need(c.n_expert >= 1 && c.n_expert_used >= 1 && c.n_expert_used <= c.n_expert, "bad expert counts");
+  need(c.n_expert_shared == 0 || c.n_expert_shared == 1, "n_expert_shared must be 0 or 1");
+  const bool csa = std::count(c.compress_ratios.begin(), c.compress_ratios.end(), 4) > 0;
+  if (csa) {
+    need(c.index_head_dim >= c.rope_dim && (c.index_head_dim & (c.index_head_dim - 1)) == 0,
+         "index_head_dim must be a power of two >= rope_dim");
+    need(c.index_n_heads >= 1 && c.index_topk >= 1, "the indexer needs heads and a top-k");
+  }
+  if (c.qat_numerics) {
+    need((c.head_dim - c.rope_dim) % 64 == 0, "qat_numerics needs head_dim - rope_dim to be a multiple of 64");
+    need(!csa || c.index_head_dim % 32 == 0, "qat_numerics needs index_head_dim to be a multiple of 32");
+  }
+  need(o.max_slots >= 1 && o.max_ctx >= 1 && o.n_pages >= 0 && o.max_rows >= 1, "bad engine options");
+}
+
+}  // namespace
+
+struct Engine::Impl {
+  Impl(const ModelConfig& c, const std::string& path, const std::vector<WeightEntry>& entries, const EngineOptions& o)
+      : cfg((check_config(c, o), c)),
+        opts(o),
+        file(path),
+        w(bind_weights(cfg, file, entries)),
+        state(cfg, o.max_slots, o.max_ctx, o.n_pages),
+        sc(cfg, o.max_rows, o.max_ctx),
+        pool(o.n_threads),  // 0: physical cores
+        order(o.max_rows),
+        group_first(o.max_rows),
+        group_len(o.max_rows),
+        group_slot(o.max_rows),
+        logit_lanes(o.max_rows) {
+    hcs.hc = cfg.hc_mult;
+    hcs.d = cfg.n_embd;
+    hcs.iters = cfg.hc_sinkhorn_iters;
+    hcs.hc_eps = cfg.hc_eps;
+    hcs.norm_eps = cfg.norm_eps;
+  }
+
+  ModelConfig cfg;
+  EngineOptions opts;
+  MappedFile file;
+  ModelWeights w;
+  PagedState state;
+  Scratch sc;
+  ThreadPool pool;
+  HcShape hcs;
+  // Lane grouping of the current step (O(max_rows) ints, not counted as scratch).
+  std::vector<int> order, group_first, group_len, group_slot, logit_lanes;
+  int n_groups = 0;
+
+  // Step inputs, valid during step().
+  int n = 0;
+  const int32_t* tok = nullptr;
+  const int32_t* pos = nullptr;
+  const int32_t* slot_of = nullptr;
+
+  void validate_and_group(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+                          int n_tables, const int32_t* table_slot, const int32_t* block_table, int max_blocks);
+  void check_pages();
+  void embed();
+  template <class F>
+  void per_lane(F&& f) {
+    pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+      for (int64_t i = b; i < e; ++i) f(static_cast<int>(i));
+    });
+  }
+  void hc_pre(const HcWeights& hw);
+  void attention_layer(int l);
+  void attend_slot(int l, int g, bool parallel_heads);
+  void ffn_layer(int l);
+  void head(const int32_t* lane_logits, float* logits_out);
+};
+
+void Engine::Impl::validate_and_group(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
+                                      const int32_t* lane_pos, int n_tables, const int32_t* table_slot,
+                                      const int32_t* block_table, int max_blocks) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("step plan: " + msg); };
+  if (n_lanes > opts.max_rows)
+    fail(std::to_string(n_lanes) + " lanes exceed max_rows " + std::to_string(opts.max_rows));
+  if (n_tables < 0 || max_blocks < 0) fail("negative table dimensions");
+  const int stride = state.max_blocks();
+  for (int k = 0; k < n_tables; ++k) {
+    const int s = table_slot[k];
+    if (s < 0 || s >= opts.max_slots) fail("table slot " + std::to_string(s) + " out of range");
+    for (int j = 0; j < k; ++j)
+      if (table_slot[j] == s) fail("slot " + std::to_string(s) + " has two block-table rows");
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks;
+    for (int b = 0; b < max_blocks; ++b) {
+      if (row[b] < -1 || row[b] >= opts.n_pages)
+        fail("slot " + std::to_string(s) + " names page " + std::to_string(row[b]) + " outside the pool of " +
+             std::to_string(opts.n_pages));
+      if (b >= stride && row[b] != -1)
+        fail("slot " + std::to_string(s) + " has a page beyond max_ctx " + std::to_string(opts.max_ctx));
+    }
+  }
+  for (int i = 0; i < n_lanes; ++i) {
+    const int s = lane_slot[i];
+    bool has_table = false;
+    for (int k = 0; k < n_tables; ++k) has_table = has_table || table_slot[k] == s;
+    if (!has_table) fail("lane " + std::to_string(i) + " slot " + std::to_string(s) + " has no block-table row");
+    if (lane_token[i] < 0 || lane_token[i] >= cfg.n_vocab)
+      fail("lane " + std::to_string(i) + " token " + std::to_string(lane_token[i]) + " outside the vocabulary");
+    if (lane_pos[i] < 0 || lane_pos[i] >= opts.max_ctx)
+      fail("lane " + std::to_string(i) + " position " + std::to_string(lane_pos[i]) + " outside 0.." +
+           std::to_string(opts.max_ctx - 1));
+  }
+  // Slots attend in parallel, so two slots of one step must never share a physical page.
+  int32_t* owner = state.page_owner();
+  std::fill(owner, owner + opts.n_pages, -1);
+  for (int k = 0; k < n_tables; ++k) {
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks;
+    for (int b = 0; b < max_blocks; ++b) {
+      if (row[b] < 0) continue;
+      if (owner[row[b]] >= 0)
+        fail("page " + std::to_string(row[b]) + " appears twice in the block tables (slots " +
+             std::to_string(owner[row[b]]) + " and " + std::to_string(table_slot[k]) + ")");
+      owner[row[b]] = table_slot[k];
+    }
+  }
+  // Copy the step's tables (validated above) into the engine's per-slot tables.
+  for (int k = 0; k < n_tables; ++k) {
+    int32_t* dst = state.table(table_slot[k]);
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks;
+    for (int b = 0; b < stride; ++b) dst[b] = b < max_blocks ? row[b] : -1;
+  }
+  // Group lanes by slot, keeping lane order inside a slot; positions must run consecutively.
+  n_groups = 0;
+  int filled = 0;
+  for (int i = 0; i < n_lanes; ++i) {
+    bool first = true;
+    for (int j = 0; j < i; ++j) first = first && lane_slot[j] != lane_slot[i];
+    if (!first) continue;
+    group_first[n_groups] = filled;
+    group_slot[n_groups] = lane_slot[i];
+    int prev = -1;
+    for (int j = i; j < n_lanes; ++j) {
+      if (lane_slot[j] != lane_slot[i]) continue;
+      if (prev >= 0 && lane_pos[j] != lane_pos[prev] + 1)
+        fail("slot " + std::to_string(lane_slot[i]) + " lanes are not consecutive positions (" +
+             std::to_string(lane_pos[prev]) + " then " + std::to_string(lane_pos[j]) + ")");
+      order[filled++] = j;
+      prev = j;
+    }
+    group_len[n_groups] = filled - group_first[n_groups];
+    ++n_groups;
+  }
+}
+
+// Every page a lane will read or write must be assigned: done before any state changes and
+// outside the thread pool, so a bad plan throws cleanly.
+void Engine::Impl::check_pages() {
+  bool csa = false, hca = false;
+  for (int r : cfg.compress_ratios) {
+    csa = csa || r == 4;
+    hca = hca || r == 128;
+  }
+  for (int i = 0; i < n; ++i) {
+    const int64_t t = pos[i];
+    int64_t last_page = -1;  // highest logical page holding an entry visible at t
+    if (csa && (t + 1) / 4 > 0) last_page = std::max(last_page, ((t + 1) / 4 - 1) * 4 / kPageTokens);
+    if (hca && (t + 1) / 128 > 0) last_page = std::max(last_page, (t + 1) / 128 - 1);
+    const int32_t* table = state.table(slot_of[i]);
+    for (int64_t lp = 0; lp <= last_page; ++lp) {
+      if (table[lp] < 0)
+        throw std::invalid_argument("step plan: slot " + std::to_string(slot_of[i]) + " at position " +
+                                    std::to_string(t) + " needs logical page " + std::to_string(lp) +
+                                    ", which its block table leaves unassigned");
+    }
+  }
+}
+
+void Engine::Impl::embed() {
+  const int64_t d = cfg.n_embd, hc = cfg.hc_mult;
+  per_lane([&](int i) {
+    float* x = sc.x_hc + i * hc * d;
+    dequantize_row(w.embed.type, w.embed.data + static_cast<int64_t>(tok[i]) * w.embed.row_bytes(), x, d);
+    for (int64_t s = 1; s < hc; ++s) std::memcpy(x + s * d, x, sizeof(float) * d);  // identical streams
+  });
+}
+
+void Engine::Impl::hc_pre(const HcWeights& hw) {
+  const int64_t hcd = cfg.hc_mult * cfg.n_embd, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
+  matmul(hw.fn, sc.x_hc, n, hcd, sc.hc_mix, mix, pool);
+  per_lane([&](int i) {
+    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, sc.hc_mix + i * mix, sc.u + i * cfg.n_embd, sc.hc_post + i * cfg.hc_mult,
+                sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
+  });
+}
+
+void Engine::Impl::attention_layer(int l) {
+  const LayerWeights& L = w.layers[l];
+  const int64_t d = cfg.n_embd, hd = cfg.head_dim, nh = cfg.n_head, ql = cfg.q_lora_rank, rd = cfg.rope_dim;
+  const int64_t inh = cfg.index_n_heads, ihd = cfg.index_head_dim;
+  const double* inv_freq = cfg.rope_inv_freqs[l].data();
+  const bool qat = cfg.qat_numerics;
+
+  // (A) batched projections.
+  hc_pre(L.hc_attn);
+  per_lane([&](int i) { rms_norm(sc.u + i * d, L.attn_norm, sc.u + i * d, d, cfg.norm_eps); });
+  matmul(L.q_a, sc.u, n, d, sc.q_lat, ql, pool);
+  per_lane([&](int i) { rms_norm(sc.q_lat + i * ql, L.q_norm, sc.q_lat + i * ql, ql, cfg.norm_eps); });
+  matmul(L.q_b, sc.q_lat, n, ql, sc.q, nh * hd, pool);
+  matmul(L.kv, sc.u, n, d, sc.kv, hd, pool);
+  per_lane([&](int i) {
+    RopeTable rope;
+    rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
+    for (int64_t h = 0; h < nh; ++h) {
+      float* qh = sc.q + (i * nh + h) * hd;
+      rms_norm(qh, nullptr, qh, hd, cfg.norm_eps);  // per-head unweighted norm
+      rope.apply(qh + (hd - rd), false);
+    }
+    float* kv = sc.kv + i * hd;
+    rms_norm(kv, L.kv_norm, kv, hd, cfg.norm_eps);
+    rope.apply(kv + (hd - rd), false);
+    if (qat) fp8_round_trip(kv, hd - rd);
+  });
+  const int64_t ape_w = std::max(sc.cw, sc.icw);
+  auto add_ape = [&](const TensorView& ape, float* z, int64_t width, int i) {
+    float* row = sc.ape + i * ape_w;
+    dequantize_row(ape.type, ape.data + (pos[i] % L.ratio) * ape.row_bytes(), row, width);
+    for (int64_t k = 0; k < width; ++k) z[k] += row[k];
+  };
+  if (L.ratio > 0) {
+    const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
+    matmul(L.comp.kv, sc.u, n, d, sc.comp_kv, sc.cw, pool);
+    matmul(L.comp.gate, sc.u, n, d, sc.comp_sc, sc.cw, pool);
+    per_lane([&](int i) { add_ape(L.comp.ape, sc.comp_sc + i * sc.cw, width, i); });
+  }
+  if (L.ratio == 4) {
+    matmul(L.idx_q_b, sc.q_lat, n, ql, sc.idx_q, inh * ihd, pool);
+    matmul(L.idx_proj, sc.u, n, d, sc.idx_w, inh, pool);
+    matmul(L.idx_comp.kv, sc.u, n, d, sc.idx_kv, sc.icw, pool);
+    matmul(L.idx_comp.gate, sc.u, n, d, sc.idx_sc, sc.icw, pool);
+    // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
+    const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
+    per_lane([&](int i) {
+      RopeTable rope;
+      rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
+      for (int64_t h = 0; h < inh; ++h) {
+        float* qh = sc.idx_q + (i * inh + h) * ihd;
+        rope.apply(qh + (ihd - rd), false);
+        if (qat) {
+          hadamard(qh, ihd);
+          fp4_round_trip(qh, ihd);
+        }
+      }
+      for (int64_t h = 0; h < inh; ++h) sc.idx_w[i * inh + h] *= w_scale;
+      add_ape(L.idx_comp.ape, sc.idx_sc + i * sc.icw, 2 * ihd, i);
+    });
+  }
+
+  // (B) per slot, lanes in order.
+  if (n_groups >= pool.size() || pool.size() == 1) {
+    pool.parallel_for(n_groups, 1, [&](int64_t b, int64_t e) {
+      for (int64_t g = b; g < e; ++g) attend_slot(l, static_cast<int>(g), false);
+    });
+  } else {
+    for (int g = 0; g < n_groups; ++g) attend_slot(l, g, true);
+  }
+
+  // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
+  // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
+  const int64_t G = cfg.o_groups, ol = cfg.o_lora_rank, gw = nh / G * hd;
+  for (int64_t g = 0; g < G; ++g) {
+    TensorView part = L.wo_a;
+    part.ne[1] = ol;
+    part.data = L.wo_a.data + g * ol * L.wo_a.row_bytes();
+    matmul(part, sc.attn_out + g * gw, n, nh * hd, sc.o_low + g * ol, G * ol, pool);
+  }
+  matmul(L.wo_b, sc.o_low, n, G * ol, sc.y, d, pool);
+  per_lane([&](int i) {
+    hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
+                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
+  });
+}
+
+void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
+  const LayerWeights& L = w.layers[l];
+  const int slot = group_slot[g];
+  const int hd = cfg.head_dim, ihd = cfg.index_head_dim, rd = cfg.rope_dim, nh = cfg.n_head;
+  const double* inv_freq = cfg.rope_inv_freqs[l].data();
+  const bool qat = cfg.qat_numerics;
+  for (int k = 0; k < group_len[g]; ++k) {
+    const int i = order[group_first[g] + k];
+    const int64_t t = pos[i];
+    f32_to_f16_row(sc.kv + static_cast<int64_t>(i) * hd, state.ring_row(l, slot, t), hd);
+
+    int32_t* sel = sc.comp_sel + i * sc.n_comp;
+    int n_sel = 0;
+    float* pooled = sc.pooled + i * sc.pool_w;
+    if (L.ratio > 0) {
+      if (compressor_push(state.attn_state(l, slot), L.ratio, hd, sc.comp_kv + i * sc.cw, sc.comp_sc + i * sc.cw, t,
+                          pooled)) {
+        const int64_t start = t + 1 - L.ratio;  // first token of the finished block
+        finish_compressed_row(pooled, hd, L.comp.norm, cfg.norm_eps, inv_freq, rd, start,
+                              qat ? RowQat::Fp8 : RowQat::None,
+                              state.comp_row(l, state.page_of(slot, start / kPageTokens),
+                                             static_cast<int>((start % kPageTokens) / L.ratio)));
+      }
+    }
+    if (L.ratio == 4) {
+      if (compressor_push(state.index_state(l, slot), 4, ihd, sc.idx_kv + i * sc.icw, sc.idx_sc + i * sc.icw, t,
+                          pooled)) {
+        const int64_t start = t + 1 - 4;
+        finish_compressed_row(pooled, ihd, L.idx_comp.norm, cfg.norm_eps, inv_freq, rd, start,
+                              qat ? RowQat::HadamardFp4 : RowQat::None,
+                              state.index_row(l, state.page_of(slot, start / kPageTokens),
+                                              static_cast<int>((start % kPageTokens) / 4)));
+      }
+      const int64_t n_vis = (t + 1) / 4;
+      const int64_t k_sel = std::min<int64_t>(cfg.index_topk, n_vis);
+      if (k_sel < n_vis) {
+        float* scores = sc.idx_scores + i * sc.n_idx;
+        const float* iq = sc.idx_q + static_cast<int64_t>(i) * cfg.index_n_heads * ihd;
+        const float* iw = sc.idx_w + static_cast<int64_t>(i) * cfg.index_n_heads;
+        if (parallel_heads) {
+          pool.parallel_for(n_vis, 64, [&](int64_t b, int64_t e) {
+            indexer_scores(state, l, slot, iq, iw, cfg.index_n_heads, ihd, b, e, scores);
+          });
+        } else {
+          indexer_scores(state, l, slot, iq, iw, cfg.index_n_heads, ihd, 0, n_vis, scores);
+        }
+        indexer_topk(scores, n_vis, k_sel, sc.idx_order + i * sc.n_idx, sel);
+      } else {
+        for (int64_t s = 0; s < n_vis; ++s) sel[s] = static_cast<int32_t>(s);  // all fit: no scoring needed
+      }
+      n_sel = static_cast<int>(k_sel);
+    } else if (L.ratio == 128) {
+      const int64_t n_vis = (t + 1) / 128;
+      for (int64_t s = 0; s < n_vis; ++s) sel[s] = static_cast<int32_t>(s);
+      n_sel = static_cast<int>(n_vis);
+    }
+
+    LaneKeys keys;
+    keys.state = &state;
+    keys.layer = l;
+    keys.slot = slot;
+    keys.ratio = L.ratio;
+    keys.win_first = std::max<int64_t>(0, t - (kRingRows - 1));
+    keys.n_win = static_cast<int>(t - keys.win_first + 1);
+    keys.comp = sel;
+    keys.n_comp = n_sel;
+    RopeTable rope;
+    rope.init(inv_freq, rd / 2, t);
+    const float* q = sc.q + static_cast<int64_t>(i) * nh * hd;
+    float* logits = sc.att_logits + static_cast<int64_t>(i) * nh * sc.n_keys;
+    float* out = sc.attn_out + static_cast<int64_t>(i) * nh * hd;
+    if (parallel_heads) {
+      pool.parallel_for(nh, 1, [&](int64_t b, int64_t e) {
+        attend_heads(keys, q, L.sinks, hd, rd, rope, logits, sc.n_keys, out, static_cast<int>(b), static_cast<int>(e));
+      });
+    } else {
+      attend_heads(keys, q, L.sinks, hd, rd, rope, logits, sc.n_keys, out, 0, nh);
+    }
+  }
+}
+
+void Engine::Impl::ffn_layer(int l) {
+  const LayerWeights& L = w.layers[l];
+  const int64_t d = cfg.n_embd;
+  hc_pre(L.hc_ffn);
+  per_lane([&](int i) { rms_norm(sc.u + i * d, L.ffn_norm, sc.u + i * d, d, cfg.norm_eps); });
+  moe_forward(cfg, L, l, n, tok, sc, pool);
+  per_lane([&](int i) {
+    hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
+                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
+  });
+}
+
+void Engine::Impl::head(const int32_t* lane_logits, float* logits_out) {
+  const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
+  int n_out = 0;
+  for (int i = 0; i < n; ++i)
+    if (lane_logits[i]) logit_lanes[n_out++] = i;
+  if (n_out == 0) return;
+  matmul(w.hc_head.fn, sc.x_hc, n, hcd, sc.hc_mix, mix, pool);
+  pool.parallel_for(n_out, 1, [&](int64_t b, int64_t e) {
+    for (int64_t j = b; j < e; ++j) {
+      const int i = logit_lanes[j];
+      float* h = sc.head_in + j * d;
+      hc_head_lane(hcs, w.hc_head, sc.x_hc + i * hcd, sc.hc_mix + i * mix, h);
+      rms_norm(h, w.output_norm, h, d, cfg.norm_eps);
+    }
+  });
+  matmul(w.output, sc.head_in, n_out, d, logits_out, cfg.n_vocab, pool);
+}
+
+Engine::Engine(const ModelConfig& cfg, const std::string& gguf_path, const std::vector<WeightEntry>& weights,
+               const EngineOptions& opts)
+    : impl_(std::make_unique<Impl>(cfg, gguf_path, weights, opts)) {}
+
+Engine::~Engine() = default;
+
+void Engine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+                  const int32_t* lane_logits, int n_tables, const int32_t* table_slot, const int32_t* block_table,
+                  int max_blocks, float* logits_out) {
+  Impl& m = *impl_;
+  if (n_lanes <= 0) return;
+  m.validate_and_group(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks);
+  m.n = n_lanes;
+  m.tok = lane_token;
+  m.pos = lane_pos;
+  m.slot_of = lane_slot;
+  m.check_pages();
+  m.embed();
+  for (int l = 0; l < m.cfg.n_layer; ++l) {
+    m.attention_layer(l);
+    m.ffn_layer(l);
+  }
+  m.head(lane_logits, logits_out);
+}
+
+void Engine::reset_slot(int slot) { impl_->state.reset_slot(slot); }
+
+std::vector<std::pair<std::string, uint64_t>> Engine::allocated_bytes() const {
+  const Impl& m = *impl_;
+  return {
+      {"rings", m.state.ring_bytes()},
+      {"compressor_state", m.state.state_bytes()},
+      {"pages", m.state.page_bytes()},
+      {"block_tables", m.state.table_bytes()},
+      {"scratch", m.sc.arena.bytes()},
+      {"weights_mapped", m.file.size()},
+  };
+}
+
+}  // namespace ds4

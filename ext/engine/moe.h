@@ -1,0 +1,32 @@
+// The MoE FFN (spec §5) over all lanes of a step: router, grouped routed experts, shared expert.
+//
+// Grouping: all lanes routed to expert e run e's gate/up/down as one matmul over those lanes
+// (weight reuse). matmul computes each column with single-column arithmetic, and every lane
+// then sums ITS expert outputs in its own selection order, so a lane's result does not depend
+// on which other lanes share its experts.
+#pragma once
+
+#include <cstdint>
+
+#include "ds4/kernels.h"
+#include "engine.h"
+#include "scratch.h"
+#include "weights.h"
+
+namespace ds4 {
+
+// Routing of one lane from its router logits: expert ids in selection order and their weights
+// s / max(Σs, 2^-14) × expert_weights_scale (s = sqrt(softplus(logit)); the bias only selects).
+// Hash layers take tid2eid[token]; others the top-k of s + bias, ties to the lower expert id.
+void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, const float* logits,
+                int32_t* ids, float* weights);
+
+// SwiGLU with the DS4 clamps (limit > 0): g ← min(g, L), u ← clamp(u, -L, L), g ← silu(g)·u.
+void swiglu(float* g, const float* u, int64_t n, float limit);
+
+// y[lane] = Σ_k w_k·expert_k(u[lane]) + shared(u[lane]) for lanes [0, n): reads sc.u,
+// writes sc.y.
+void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n, const int32_t* tokens, Scratch& sc,
+                 ThreadPool& pool);
+
+}  // namespace ds4

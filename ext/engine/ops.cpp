@@ -1,0 +1,213 @@
+// Small fp32 operations of the DS4 step (see ops.h for the numerics contract).
+#include "ops.h"
+
+#include <algorithm>
+#include <cstring>
+#include <vector>
+
+namespace ds4 {
+
+uint16_t f32_to_f16(float f) {
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u;
+  const uint32_t ax = x & 0x7fffffffu;
+  if (ax >= 0x7f800000u) return static_cast<uint16_t>(sign | 0x7c00u | (ax > 0x7f800000u ? 0x200u : 0u));
+  // 65520 = halfway between 65504 (largest half) and 65536: ties to even go up, to infinity.
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (ax < 0x38800000u) {
+    // Below 2^-14 the half is subnormal with unit 2^-24; scaling by 2^24 is exact in float and
+    // nearbyint rounds half to even in the default rounding mode. 1024 carries into the
+    // smallest normal, which is the right encoding.
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  const uint32_t e = (ax >> 23) - 127 + 15;
+  const uint32_t mant = ax & 0x7fffffu;
+  uint32_t h = (e << 10) | (mant >> 13);
+  const uint32_t rem = mant & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;  // may carry into the exponent: correct
+  return static_cast<uint16_t>(sign | h);
+}
+
+static float f16_bits_to_f32(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  const uint32_t e = (h >> 10) & 0x1fu;
+  const uint32_t m = h & 0x3ffu;
+  uint32_t bits;
+  if (e == 0) {
+    const float v = static_cast<float>(m) * (1.0f / 16777216.0f);  // exact: m < 2^10
+    return sign ? -v : v;
+  }
+  if (e == 31) {
+    bits = sign | 0x7f800000u | (m << 13);
+  } else {
+    bits = sign | ((e - 15 + 127) << 23) | (m << 13);
+  }
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
+// All 65536 halves decoded once: attention reads every key row through this.
+static const float* f16_table() {
+  static const std::vector<float> table = [] {
+    std::vector<float> t(65536);
+    for (uint32_t i = 0; i < 65536; ++i) t[i] = f16_bits_to_f32(static_cast<uint16_t>(i));
+    return t;
+  }();
+  return table.data();
+}
+
+float f16_to_f32(uint16_t h) { return f16_table()[h]; }
+
+void f32_to_f16_row(const float* x, uint16_t* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+
+void f16_to_f32_row(const uint16_t* x, float* y, int64_t n) {
+  const float* t = f16_table();
+  for (int64_t i = 0; i < n; ++i) y[i] = t[x[i]];
+}
+
+void round_f16(float* x, int64_t n) {
+  const float* t = f16_table();
+  for (int64_t i = 0; i < n; ++i) x[i] = t[f32_to_f16(x[i])];
+}
+
+void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
+  double ss = 0.0;
+  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
+  if (w) {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
+  } else {
+    for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r;
+  }
+}
+
+void RopeTable::init(const double* inv_freq, int n_half, int64_t pos) {
+  half = n_half;
+  for (int k = 0; k < n_half; ++k) {
+    const double a = static_cast<double>(pos) * inv_freq[k];
+    c[k] = static_cast<float>(std::cos(a));
+    s[k] = static_cast<float>(std::sin(a));
+  }
+}
+
+void RopeTable::apply(float* tail, bool inverse) const {
+  for (int k = 0; k < half; ++k) {
+    const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
+    const float sn = inverse ? -s[k] : s[k];
+    tail[2 * k] = x0 * c[k] - x1 * sn;
+    tail[2 * k + 1] = x0 * sn + x1 * c[k];
+  }
+}
+
+float pow2_ceil(float r) {
+  int e;
+  const float m = std::frexp(r, &e);  // r = m * 2^e, m in [0.5, 1)
+  return std::ldexp(1.0f, m == 0.5f ? e - 1 : e);
+}
+
+// Nearest e4m3fn value of a (|a| <= 448), ties to even mantissa: 3 mantissa bits, exponent
+// floor 2^-6 below which the grid is the subnormal step 2^-9.
+static float e4m3_round(float a) {
+  const float mag = std::fabs(a);
+  if (mag == 0.0f) return a;
+  int e;
+  std::frexp(mag, &e);
+  const int ex = std::max(e - 1, -6);
+  const float step = std::ldexp(1.0f, ex - 3);
+  return std::copysign(std::nearbyint(mag / step) * step, a);
+}
+
+void fp8_round_trip(float* x, int64_t n) {
+  for (int64_t b = 0; b < n; b += 64) {
+    float amax = 0.0f;
+    for (int i = 0; i < 64; ++i) amax = std::max(amax, std::fabs(x[b + i]));
+    const float s = pow2_ceil(std::max(amax, 1e-4f) / 448.0f);
+    for (int i = 0; i < 64; ++i) {
+      const float q = std::min(std::max(x[b + i] / s, -448.0f), 448.0f);
+      x[b + i] = e4m3_round(q) * s;
+    }
+  }
+}
+
+void hadamard(float* x, int64_t n) {
+  for (int64_t len = 1; len < n; len <<= 1) {
+    for (int64_t i = 0; i < n; i += 2 * len) {
+      for (int64_t j = i; j < i + len; ++j) {
+        const float a = x[j], b = x[j + len];
+        x[j] = a + b;
+        x[j + len] = a - b;
+      }
+    }
+  }
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(n)));
+  for (int64_t i = 0; i < n; ++i) x[i] *= scale;
+}
+
+// Nearest of {0, 0.5, 1, 1.5, 2, 3, 4, 6} (|a| <= 6), ties to the even code: this is e2m1 with
+// round-half-even on its mantissa, i.e. grid steps 0.5 below 2, 1 in [2, 4), 2 in [4, 6].
+static float e2m1_round(float a) {
+  const float mag = std::fabs(a);
+  float q;
+  if (mag < 2.0f) {
+    q = std::nearbyint(mag * 2.0f) * 0.5f;
+  } else if (mag < 4.0f) {
+    q = std::nearbyint(mag);
+  } else {
+    q = std::nearbyint(mag * 0.5f) * 2.0f;
+  }
+  return std::copysign(q, a);
+}
+
+void fp4_round_trip(float* x, int64_t n) {
+  const float floor_amax = 6.0f * std::ldexp(1.0f, -126);
+  for (int64_t b = 0; b < n; b += 32) {
+    float amax = 0.0f;
+    for (int i = 0; i < 32; ++i) amax = std::max(amax, std::fabs(x[b + i]));
+    const float s = pow2_ceil(std::max(amax, floor_amax) / 6.0f);
+    for (int i = 0; i < 32; ++i) {
+      const float q = std::min(std::max(x[b + i] / s, -6.0f), 6.0f);
+      x[b + i] = e2m1_round(q) * s;
+    }
+  }
+}
+
+void sinkhorn(float* c, int n, int iters, float eps) {
+  auto col_normalize = [&] {
+    for (int k = 0; k < n; ++k) {
+      float sum = 0.0f;
+      for (int j = 0; j < n; ++j) sum += c[j * n + k];
+      const float d = sum + eps;
+      for (int j = 0; j < n; ++j) c[j * n + k] /= d;
+    }
+  };
+  for (int j = 0; j < n; ++j) {
+    float* row = c + j * n;
+    float mx = row[0];
+    for (int k = 1; k < n; ++k) mx = std::max(mx, row[k]);
+    float sum = 0.0f;
+    for (int k = 0; k < n; ++k) {
+      row[k] = std::exp(row[k] - mx);
+      sum += row[k];
+    }
+    for (int k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
+  }
+  col_normalize();
+  for (int it = 1; it < iters; ++it) {
+    for (int j = 0; j < n; ++j) {
+      float* row = c + j * n;
+      float sum = 0.0f;
+      for (int k = 0; k < n; ++k) sum += row[k];
+      const float d = sum + eps;
+      for (int k = 0; k < n; ++k) row[k] /= d;
+    }
+    col_normalize();
+  }
+}
+
+}  // namespace ds4
