@@ -74,8 +74,10 @@ class SendBuffer:
         return self._size
 
     def put(self, frame: bytes) -> bool:
-        """Queue a frame; False (and nothing queued) when it would go over the bound."""
-        if self._size + len(frame) > self.limit:
+        """Queue a frame; False (and nothing queued) when it would go over the bound. A frame
+        bigger than the whole bound is taken into an empty buffer, so that one large delta does
+        not drop a client that keeps up."""
+        if self._frames and self._size + len(frame) > self.limit:
             return False
         self._frames.append(frame)
         self._size += len(frame)
@@ -91,8 +93,11 @@ class SendBuffer:
         """Everything queued, joined; b"" at the end of the stream; None after ``timeout`` idle seconds."""
         if not self._frames and not self._closed:
             try:
-                await asyncio.wait_for(self._ready.wait(), timeout)
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: 3.11's wait_for can hang a task cancelled just as
+                # its inner task completes (the stream's cleanup would then never run).
+                async with asyncio.timeout(timeout):
+                    await self._ready.wait()
+            except TimeoutError:
                 return None
         data = b"".join(self._frames)
         self._frames.clear()
@@ -158,18 +163,33 @@ class EventStreamResponse(Response):
         finally:
             for t in tasks:
                 t.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+            # Before any await, so that the engine request is cancelled whatever happens below.
+            # On a drop the server then closes the connection without the final chunk, so the
+            # client sees a cut stream.
+            self.on_end(reason)
+            await asyncio.wait(tasks, timeout=5.0)
             aclose = getattr(self.frames, "aclose", None)
             if aclose is not None:
-                await aclose()
-            # After the pump has stopped reading the request; on a drop the server then closes
-            # the connection without the final chunk, so the client sees a cut stream.
-            self.on_end(reason)
+                try:
+                    await aclose()
+                except RuntimeError:  # still running: the pump did not stop within the wait above
+                    log.warning("stream source did not stop after its stream ended")
 
     async def _pump(self, buf: SendBuffer) -> None:
+        n = 0
         async for frame in self.frames:
             if not buf.put(frame):
-                raise _Drop("slow_client")
+                # Full: give the sender a few turns. A client that keeps up takes the whole buffer
+                # in them (a burst of queued events); one whose socket is stuck does not.
+                for _ in range(4):
+                    await asyncio.sleep(0)
+                    if buf.put(frame):
+                        break
+                else:
+                    raise _Drop("slow_client")
+            n += 1
+            if n % 64 == 0:
+                await asyncio.sleep(0)  # a long backlog of events must not monopolise the loop
         buf.close()
 
     async def _send_all(self, buf: SendBuffer, send: Send) -> None:
@@ -185,8 +205,9 @@ class EventStreamResponse(Response):
 
     async def _send(self, send: Send, message: dict[str, Any]) -> None:
         try:
-            await asyncio.wait_for(send(message), self.limits.send_timeout)
-        except asyncio.TimeoutError:
+            async with asyncio.timeout(self.limits.send_timeout):
+                await send(message)
+        except TimeoutError:
             raise _Drop("slow_client") from None
         except OSError:  # the socket went away under the write
             raise _Drop("disconnect") from None

@@ -97,11 +97,32 @@ class FakeHandle:
                 self._waiters.remove((loop, event))
 
 
+@dataclass(frozen=True, slots=True)
+class _Script:
+    """The tokens of a reply, made on demand (a scripted reply may be millions of bytes)."""
+
+    reasoning: list[str]
+    words: list[str] | None  # None: ``n_tokens`` tokens "t<i> " (or ``chunk`` bytes of "x" each)
+    n_tokens: int
+    chunk: int | None
+
+    def __len__(self) -> int:
+        return len(self.reasoning) + (len(self.words) if self.words is not None else self.n_tokens)
+
+    def __getitem__(self, i: int) -> tuple[str, str]:
+        if i < len(self.reasoning):
+            return "reasoning", self.reasoning[i]
+        j = i - len(self.reasoning)
+        if self.words is not None:
+            return "content", self.words[j]
+        return "content", "x" * self.chunk if self.chunk else f"t{j} "
+
+
 @dataclass(slots=True, eq=False)
 class _Live:
     req: GenerationRequest
     handle: FakeHandle
-    steps: list[tuple[str, str]]  # (kind, text) per token, before max_tokens / stop
+    steps: _Script  # (kind, text) per token, before max_tokens / stop
     prompt_tokens: int
     interval: float
     error_after: int | None
@@ -155,18 +176,13 @@ class FakeEngine:
         if mt is not None and n_prompt + mt > self.pool_tokens:
             raise ExceedsPool(f"prompt ({n_prompt}) + max_tokens ({mt}) can never fit the page pool of "
                               f"{self.pool_tokens} tokens")
-        steps: list[tuple[str, str]] = []
-        if request.thinking:
-            steps += [("reasoning", w) for w in ("Thinking ", "about ", "it.")]
+        reasoning = ["Thinking ", "about ", "it."] if request.thinking else []
         if "tokens" in script or "chunk" in script:
-            chunk = script.get("chunk")
-            steps += [("content", "x" * chunk if chunk else f"t{i} ") for i in range(script.get("tokens", 1))]
-        elif request.messages is not None:
-            words = ("Echo: " + text).split(" ")
-            steps += [("content", w + (" " if i < len(words) - 1 else "")) for i, w in enumerate(words)]
+            words = None
         else:
-            words = list(reversed(text.split()))
-            steps += [("content", w + (" " if i < len(words) - 1 else "")) for i, w in enumerate(words)]
+            words = ("Echo: " + text).split(" ") if request.messages is not None else list(reversed(text.split()))
+            words = [w + (" " if i < len(words) - 1 else "") for i, w in enumerate(words)]
+        steps = _Script(reasoning, words, script.get("tokens", 1), script.get("chunk"))
         now = time.monotonic()
         handle = FakeHandle(request.request_id)
         live = _Live(req=request, handle=handle, steps=steps, prompt_tokens=n_prompt,
