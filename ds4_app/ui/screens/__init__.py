@@ -1,0 +1,1 @@
+"""Modal screens: settings, help, sessions, and a one-line input dialog."""
