@@ -24,7 +24,7 @@ import hmac
 import logging
 import os
 import time
-from collections.abc import Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,10 +34,10 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.middleware.cors import CORSMiddleware
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from ds4_app.engine.api import Delta, EngineClient, Finished, ServiceError, StatsSnapshot
+from ds4_app.engine.api import Delta, EngineClient, Finished, RequestHandle, ServiceError, StatsSnapshot
 
 from .errors import ApiError, error_body, from_service_error, unavailable
-from .metrics import CONTENT_TYPE, ServerMetrics
+from .metrics import CONTENT_TYPE, RequestTimer, ServerMetrics
 from .responses import ResponseBuilder
 from .schemas import ParsedRequest, parse_chat, parse_completion, parse_json
 from .streaming import DONE_FRAME, EventStreamResponse, StreamLimits, sse_frame
@@ -169,7 +169,8 @@ def create_app(engine: EngineClient | None, *, model_name: str, api_key: str | N
     _install_error_handlers(app, state)
     _install_routes(app, state)
     if config.api_key is not None:
-        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key)
+        app.add_middleware(ApiKeyMiddleware, api_key=config.api_key,
+                           on_reject=lambda: state.metrics.error_answer("authentication_error"))
     if config.cors_origins:
         # Added last, so it is outermost: preflight requests are answered before the key check.
         app.add_middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
@@ -184,9 +185,10 @@ class ApiKeyMiddleware:
     """Bearer-token check on every HTTP path but ``PUBLIC_PATHS`` (a pure ASGI middleware, so
     streaming and disconnect detection pass through untouched)."""
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(self, app: ASGIApp, api_key: str, on_reject: Callable[[], None] | None = None) -> None:
         self.app = app
         self._expected = f"Bearer {api_key}".encode()
+        self._on_reject = on_reject
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in PUBLIC_PATHS:
@@ -196,9 +198,8 @@ class ApiKeyMiddleware:
             return await self.app(scope, receive, send)
         message = ("missing API key: send it as 'Authorization: Bearer <key>'" if not given
                    else "invalid API key")
-        state: ServerState | None = getattr(getattr(scope.get("app"), "state", None), "ds4", None)
-        if state is not None:
-            state.metrics.error_answer("authentication_error")
+        if self._on_reject is not None:
+            self._on_reject()
         response = JSONResponse(error_body(message, "authentication_error", "invalid_api_key"), status_code=401,
                                 headers={"WWW-Authenticate": "Bearer"})
         await response(scope, receive, send)
@@ -335,12 +336,13 @@ async def _generate(state: ServerState, request: Request, parsed: ParsedRequest)
     def abandon(reason: str) -> None:
         log.info("%s: %s; cancelling it", rid, {"disconnect": "client disconnected",
                                                  "slow_client": "client too slow, dropped",
-                                                 "error": "stream failed"}.get(reason, reason))
+                                                 "error": "stream failed",
+                                                 "cancelled": "answer interrupted"}.get(reason, reason))
         state.metrics.aborted_request(reason)
         engine.cancel(rid)
 
     if parsed.stream:
-        async def frames():
+        async def frames() -> AsyncIterator[bytes]:
             try:
                 first = builder.first_chunk()
                 if first is not None:
@@ -371,6 +373,9 @@ async def _generate(state: ServerState, request: Request, parsed: ParsedRequest)
 
     try:
         fin, content, reasoning = await _collect_unless_gone(handle, request, timer)
+    except asyncio.CancelledError:  # this task was cancelled (uvicorn's shutdown timeout)
+        abandon("cancelled")
+        raise
     finally:
         state.release(rid)
     if fin is None:
@@ -381,7 +386,8 @@ async def _generate(state: ServerState, request: Request, parsed: ParsedRequest)
     return JSONResponse(builder.complete(content, reasoning, fin), headers=headers)
 
 
-async def _collect_unless_gone(handle, request: Request, timer) -> tuple[Finished | None, str, str]:
+async def _collect_unless_gone(handle: RequestHandle, request: Request,
+                               timer: RequestTimer) -> tuple[Finished | None, str, str]:
     """Collect a whole answer while watching for the client to disconnect (then: ``None``)."""
     parts: dict[str, list[str]] = {"content": [], "reasoning": []}
 
@@ -407,11 +413,9 @@ async def _collect_unless_gone(handle, request: Request, timer) -> tuple[Finishe
             if not t.done():
                 t.cancel()
         await asyncio.gather(work, watch, return_exceptions=True)
-    if not work.cancelled() and work.done() and work.exception() is None:
-        return work.result(), "".join(parts["content"]), "".join(parts["reasoning"])
-    if work.done() and not work.cancelled() and work.exception() is not None:
-        raise work.exception()  # type: ignore[misc]
-    return None, "", ""
+    if work.cancelled():  # the client went away first
+        return None, "", ""
+    return work.result(), "".join(parts["content"]), "".join(parts["reasoning"])  # re-raises a failure
 
 
 __all__ = ["ApiKeyMiddleware", "PUBLIC_PATHS", "ServerConfig", "ServerState", "create_app", "snapshot_json"]

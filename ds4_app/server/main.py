@@ -25,11 +25,12 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ds4_app.engine.api import EngineClient
 
 from .app import ServerState, create_app
-from .streaming import StreamLimits
+from .streaming import ABORT_EXTENSION, StreamLimits
 
 log = logging.getLogger("ds4_app.server")
 
@@ -98,10 +99,8 @@ class _Runner:
         self.engine_factory = engine_factory
         # Let our drain finish first; this is only the backstop for connections that never end
         # (a stuck client after its request was cancelled).
-        config = uvicorn.Config(app, log_level=options.log_level, access_log=False, lifespan="off",
+        config = uvicorn.Config(_with_abort(app), log_level=options.log_level, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=5, timeout_keep_alive=5)
-        # After uvicorn.Config, which (re)configures uvicorn's loggers.
-        logging.getLogger("uvicorn.error").addFilter(_DroppedClientFilter())
         self.server = _Server(config)
         self.exit_code = 0
         self._shutdown: asyncio.Task | None = None
@@ -112,6 +111,9 @@ class _Runner:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, self._on_signal, sig)
         threading.Thread(target=self._load, args=(loop,), name="ds4-model-load", daemon=True).start()
+        host, port = sock.getsockname()[:2]
+        url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+        log.info("listening on %s (OpenAI base URL %s/v1)", url, url)
         try:
             await self.server.serve(sockets=[sock])
         finally:
@@ -178,6 +180,22 @@ class _Runner:
         self.server.should_exit = True
 
 
+def _with_abort(app: ASGIApp) -> ASGIApp:
+    """Wrap the app so that each HTTP scope carries a way to reset its connection.
+
+    uvicorn hands the app its ``RequestResponseCycle.send``, whose cycle holds the connection's
+    transport; ``streaming`` resets the connection of a client it drops (ASGI itself has no abort).
+    Any other server simply leaves the extension out.
+    """
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        transport = getattr(getattr(send, "__self__", None), "transport", None)
+        if scope["type"] == "http" and transport is not None and hasattr(transport, "abort"):
+            scope.setdefault("extensions", {})[ABORT_EXTENSION] = transport.abort
+        await app(scope, receive, send)
+
+    return wrapped
+
+
 def _bind(host: str, port: int) -> socket.socket:
     """Bind before serving so a busy port is one clear error (uvicorn would log and exit 1)."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
@@ -208,11 +226,3 @@ def _configure_logging(level: str) -> None:
     root = logging.getLogger()
     if not root.handlers:
         logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-
-
-class _DroppedClientFilter(logging.Filter):
-    """Hide uvicorn's error for a response we ended early on purpose (a dropped slow client, whose
-    drop is already logged with its request id); ASGI has no other way to abort a response."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return record.getMessage() != "ASGI callable returned without completing response."

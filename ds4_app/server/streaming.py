@@ -13,8 +13,9 @@ A streamed answer runs three tasks:
   does), so a client that goes away is noticed at once, not at the next write.
 
 When the stream is over, ``on_end(reason)`` is called exactly once: reason None when all was
-sent, else "disconnect", "slow_client" or "error"; the caller cancels the engine request there.
-Only this request's own tasks ever wait, so other streams keep their pace.
+sent, else "disconnect", "slow_client", "error" or "cancelled" (this task was cancelled, e.g. at shutdown);
+the caller cancels the engine request there. A dropped client's connection is then reset (see
+``ABORT_EXTENSION``). Only this request's own tasks ever wait, so other streams keep their pace.
 """
 
 from __future__ import annotations
@@ -34,6 +35,11 @@ log = logging.getLogger(__name__)
 
 DONE_FRAME = b"data: [DONE]\n\n"
 KEEPALIVE_FRAME = b": keep-alive\n\n"
+
+# ASGI has no way to abort a connection. Where the server offers it (``main`` puts uvicorn's
+# ``transport.abort`` here), a dropped client's socket is reset at once, so its unsent bytes do
+# not stay in memory until it reads them or goes away.
+ABORT_EXTENSION = "ds4.abort_connection"
 
 
 def sse_frame(obj: Mapping[str, Any]) -> bytes:
@@ -167,6 +173,9 @@ class EventStreamResponse(Response):
             # On a drop the server then closes the connection without the final chunk, so the
             # client sees a cut stream.
             self.on_end(reason)
+            abort = scope.get("extensions", {}).get(ABORT_EXTENSION)
+            if reason in ("slow_client", "error") and abort is not None:
+                abort()
             await asyncio.wait(tasks, timeout=5.0)
             aclose = getattr(self.frames, "aclose", None)
             if aclose is not None:
