@@ -116,6 +116,12 @@ class DS4App(App[None]):
         else:
             await self.action_new_session()
 
+    async def action_quit(self) -> None:
+        """Quit; replies still streaming are cancelled and what they said so far is kept."""
+        for view in self.tabs.chats():
+            view.close()
+        self.exit()
+
     def on_unmount(self) -> None:
         self.bridge.close()
         self.store.close()

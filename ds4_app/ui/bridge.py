@@ -42,6 +42,7 @@ class _Reply:
     request_id: str
     target: "MessagePump"
     pending: collections.deque[Event] = field(default_factory=collections.deque)
+    cancel_sent: bool = False
 
 
 class EngineBridge:
@@ -83,9 +84,8 @@ class EngineBridge:
     def close(self) -> None:
         """Stop polling and cancel every reply still running (the engine keeps running)."""
         self._stop.set()
-        if self._engine is not None:
-            for rid in list(self._replies):
-                self._engine.cancel(rid)
+        for request_id in list(self._replies):
+            self.cancel(request_id)
 
     # ------------------------------------------------------------------ replies
     def submit(self, request: GenerationRequest, target: "MessagePump") -> str:
@@ -104,7 +104,9 @@ class EngineBridge:
 
     def cancel(self, request_id: str) -> None:
         """Ask the engine to stop a reply; its Finished("cancelled") still arrives as usual."""
-        if self._engine is not None and request_id in self._replies:
+        reply = self._replies.get(request_id)
+        if self._engine is not None and reply is not None and not reply.cancel_sent:
+            reply.cancel_sent = True
             self._engine.cancel(request_id)
 
     def running(self) -> list[str]:

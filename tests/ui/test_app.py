@@ -92,6 +92,41 @@ async def test_escape_cancels_and_the_lane_goes(tmp_path: Path) -> None:
         assert engine.cancelled == [request_id]
 
 
+async def test_a_second_escape_ends_a_reply_the_engine_does_not_stop(tmp_path: Path) -> None:
+    engine = FakeEngine(pause_after=2)
+    engine.cancel = lambda request_id: None  # type: ignore[method-assign]  # a wedged engine
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "are you stuck")
+        view = chat(app)
+        await wait_until(pilot, lambda: view.busy and messages(view)[-1][1] == "You said: ", what="streaming")
+        await pilot.press("escape")
+        await pilot.pause(0.1)
+        assert view.busy
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: not view.busy, what="the forced end")
+        assert view.history[-1].meta["finish_reason"] == "cancelled"
+        await send(pilot, "next")  # the session is usable again
+        await wait_until(pilot, lambda: len(engine.submitted) == 2, what="the next request")
+
+
+async def test_quitting_keeps_a_streaming_reply(tmp_path: Path) -> None:
+    engine = FakeEngine(pause_after=2)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "long answer please")
+        view = chat(app)
+        await wait_until(pilot, lambda: messages(view)[-1][1] == "You said: ", what="streaming")
+        session_id, request_id = view.session.id, view.request_id
+        await pilot.press("ctrl+q")
+    assert engine.cancelled == [request_id]
+    store = Store(store_path(tmp_path))
+    kept = store.messages(session_id)
+    assert [(m.role, m.content) for m in kept] == [("user", "long answer please"), ("assistant", "You said: ")]
+    assert kept[-1].meta["finish_reason"] == "cancelled"
+    store.close()
+
+
 async def test_regenerate_replaces_the_last_reply(tmp_path: Path, engine: FakeEngine) -> None:
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
@@ -244,10 +279,17 @@ async def test_engine_factory_loads_in_the_background(tmp_path: Path) -> None:
 
 
 async def test_keymap_from_config_json(tmp_path: Path, engine: FakeEngine) -> None:
-    config_path(tmp_path).write_text(json.dumps({"keymap": {"session.new": "f9", "nope.nothing": "f10"}}))
+    config_path(tmp_path).write_text(json.dumps({"keymap": {"session.new": "f9", "chat.send": "f10",
+                                                            "nope.nothing": "f10"}}))
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         assert len(app.tabs.chats()) == 1
+        view = chat(app)
+        await pilot.press("a", "enter", "b")  # enter is a plain newline now
+        assert view.input.text == "a\nb" and engine.submitted == []
+        await pilot.press("f10")
+        await wait_until(pilot, lambda: len(view.history) == 2, what="a send from f10")
+        assert view.history[0].content == "a\nb"
         await pilot.press("ctrl+n")  # no longer bound
         await pilot.pause()
         assert len(app.tabs.chats()) == 1
@@ -390,7 +432,10 @@ async def test_shift_enter_inserts_a_newline(tmp_path: Path, engine: FakeEngine)
     app = make_app(tmp_path, engine)
     async with app.run_test(size=SIZE) as pilot:
         view = chat(app)
-        await pilot.press(*"line one", "shift+enter", *"line two", "ctrl+j", "x")
+        view.input.insert("line one")
+        await pilot.press("shift+enter")
+        view.input.insert("line two")
+        await pilot.press("ctrl+j", "x")
         assert view.input.text == "line one\nline two\nx"
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(view.history) == 2, what="the reply")

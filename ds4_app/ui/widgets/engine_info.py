@@ -9,16 +9,27 @@ from ds4_app.engine.api import StatsSnapshot
 from ..formatting import size
 
 
-def describe(snapshot: StatsSnapshot) -> str:
-    """A few short lines about the engine (plain text)."""
+INDENT = 8
+
+
+def describe(snapshot: StatsSnapshot, width: int = 56) -> str:
+    """A few short lines about the engine (plain text, lines at most ``width`` wide)."""
     lines = [f"model   {snapshot.model or '–'}",
              f"backend {snapshot.backend or '–'} · {snapshot.device or '–'}"]
     if snapshot.max_slots or snapshot.max_ctx:
         lines.append(f"slots   {snapshot.max_slots} × {snapshot.max_ctx} tokens")
     if snapshot.memory:
-        total = sum(n for _, n in snapshot.memory)
-        parts = " · ".join(f"{name} {size(n)}" for name, n in snapshot.memory)
-        lines.append(f"memory  {size(total)}: {parts}")
+        lines.append(f"memory  {size(sum(n for _, n in snapshot.memory))}")
+        # One part per line would be long; pack them, never splitting a "name size" pair.
+        row = ""
+        for name, n in snapshot.memory:
+            part = f"{name.replace('_', ' ')} {size(n)}"
+            if row and len(row) + 3 + len(part) > width - INDENT:
+                lines.append(" " * INDENT + row)
+                row = part
+            else:
+                row = f"{row} · {part}" if row else part
+        lines.append(" " * INDENT + row)
     return "\n".join(lines)
 
 
