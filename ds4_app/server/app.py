@@ -324,11 +324,17 @@ async def _generate(state: ServerState, request: Request, parsed: ParsedRequest)
     engine = state.admit()
     g = parsed.generation
     rid = g.request_id
+    state.track(rid)  # before the await below, so concurrent admissions count this one
     try:
-        handle = engine.submit(g)
+        # In a worker thread: submit tokenizes the prompt, which for a long prompt would stall
+        # every other stream on this loop.
+        handle = await asyncio.to_thread(engine.submit, g)
     except ServiceError as e:
+        state.release(rid)
         raise from_service_error(e) from None
-    state.track(rid)
+    except BaseException:
+        state.release(rid)
+        raise
     builder = ResponseBuilder(parsed)
     timer = state.metrics.request_timer()
     headers = {"X-Request-Id": rid}
