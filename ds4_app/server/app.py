@@ -6,8 +6,8 @@ engine's ``StatsSnapshot`` as JSON, what the TUI's panel shows) and ``POST /toke
 
 Life of a generation request: the body is checked (``schemas``), then admitted: refused with 503
 + Retry-After while the model loads, while the server drains for shutdown, or when the requests
-in flight reach ``max_slots + max_queue``; then ``engine.submit`` (whose ``ServiceError``s map to
-their status). Headers go out only after admission, so every refusal has a proper status. A
+in flight reach ``max_slots + max_queue``; then ``engine.submit``, in a worker thread because it
+tokenizes (its ``ServiceError``s map to their status). Headers go out only after admission, so every refusal has a proper status. A
 streamed answer runs through ``streaming.EventStreamResponse`` (slow clients dropped, disconnects
 noticed at once); a whole answer also watches for the client going away. Either way a request
 the client abandons is cancelled in the engine right away.

@@ -294,4 +294,5 @@ class FakeEngine:
         usage = Usage(prompt_tokens=lv.prompt_tokens, completion_tokens=lv.done, cached_tokens=0,
                       queue_s=0.0, ttft_s=first - lv.t_submit, prefill_s=first - lv.t_submit,
                       decode_s=now - first, total_s=now - lv.t_submit)
-        lv.handle.push(Finished(finish_reason=reason, usage=usage, tokens=tuple(range(lv.done)), error=error))  # type: ignore[arg-type]
+        lv.handle.push(Finished(finish_reason=reason, usage=usage,  # type: ignore[arg-type]
+                                tokens=tuple(range(lv.done)), error=error))
