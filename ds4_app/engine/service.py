@@ -205,7 +205,8 @@ class EngineService:
         """``open`` with the shared engine options of the command line (cli.add_engine_arguments)."""
         return cls.open(args.model, backend=args.backend, max_slots=args.max_slots, max_ctx=args.max_ctx,
                         kv_pool_tokens=args.kv_pool_tokens, threads=args.threads,
-                        qat_numerics=args.qat_numerics, max_queue=getattr(args, "max_queue", None) or max_queue)
+                        qat_numerics=args.qat_numerics,
+                        max_queue=max_queue if getattr(args, "max_queue", None) is None else args.max_queue)
 
     def __enter__(self) -> "EngineService":
         return self
