@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 NVCC ?= nvcc
 
-.PHONY: run test install gpu-check clean
+.PHONY: run test install gpu-check hip-check clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -20,13 +20,24 @@ run: install
 test: install
 	$(BIN)/python -m pytest -q -n 2 --dist loadfile
 
-# Compile-only check of the GPU sources with nvcc (no GPU needed).
+# GPU sources without a GPU (CI). gpu-check: nvcc compiles every ext/gpu .cu for sm_90 (and the
+# device harness), links the harness and runs its --decode check, which executes the device
+# weight decoders on the host against the CPU dequantizer. hip-check: the same sources through
+# hipcc for an RDNA target, compile only; skipped where hipcc is not installed.
+HIPCC ?= hipcc
+HIP_ARCH ?= gfx1030
+
 gpu-check:
 	@if ls ext/gpu/*.cu >/dev/null 2>&1; then \
-	  for f in ext/gpu/*.cu; do echo "nvcc $$f"; \
-	    $(NVCC) -std=c++17 -arch=sm_90 -Iext/include -Iext/engine -Iext/gpu -c $$f -o /tmp/ds4-gpu-check.o || exit 1; \
-	  done; \
+	  NVCC=$(NVCC) ext/gpu/bench/build.sh build/gpu-check && build/gpu-check/harness --decode; \
 	else echo "no GPU sources yet"; fi
+
+hip-check:
+	@if ! command -v $(HIPCC) >/dev/null 2>&1; then echo "hipcc not found: skipping the HIP compile check"; exit 0; fi; \
+	for f in ext/gpu/*.cu ext/gpu/bench/harness.cu; do echo "hipcc $$f"; \
+	  HIP_PLATFORM=$${HIP_PLATFORM:-amd} $(HIPCC) -x hip -std=c++17 --offload-arch=$(HIP_ARCH) -ffp-contract=off \
+	    -DDS4_GPU_HIP=1 -Iext/include -Iext/gpu -Iext/cpu -c $$f -o /tmp/ds4-hip-check.o || exit 1; \
+	done
 
 clean:
 	rm -rf build $(VENV) ds4_app/engine/_native*.so

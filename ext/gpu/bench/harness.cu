@@ -1,0 +1,759 @@
+// Device harness of the GPU kernels: checks them against the CPU kernels and a double-precision
+// reference, checks width exactness and determinism, and times the matvec at DS4-Flash sizes
+// against the measured device-to-device copy bandwidth. One program, so one device call can
+// build, check and time (ext/gpu/bench/run.sh).
+//
+//   harness --check [--seed N]     every kernel on fresh random inputs; exit 1 on any failure
+//   harness --quick                a small check (for compute-sanitizer)
+//   harness --bench [--json F]     copy bandwidth, then matvec timings (1, 2, 4, 8, 16 columns)
+//   harness --decode               the device decoders run on the host vs the CPU (no GPU needed)
+//
+// References: weights are dequantized with ext/cpu/quant.cpp (ds4::dequantize_row) and dotted in
+// double; the CPU product is ds4::matmul (ext/cpu/matmul.cpp). The agreement bound is 2e-3 of
+// sum_k |w_k x_k| per output (the scale rounding errors live on); measured errors print beside it.
+#include <algorithm>
+#include <chrono>
+#include <cinttypes>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "common.cuh"
+#include "ds4/kernels.h"
+#include "ds4_gpu.h"
+#include "matvec.cuh"
+
+using ds4::DType;
+using ds4::TensorView;
+namespace g = ds4::gpu;
+
+namespace {
+
+int g_failures = 0;
+
+void report(bool ok, const std::string& what) {
+  std::printf("%s  %s\n", ok ? "ok  " : "FAIL", what.c_str());
+  if (!ok) ++g_failures;
+}
+
+// --- host data -------------------------------------------------------------------------------
+
+uint16_t f32_to_f16(float f) {  // round to nearest even; the generators stay in normal range
+  uint32_t x;
+  std::memcpy(&x, &f, 4);
+  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
+  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
+  if (ax < 0x38800000u) {
+    float a;
+    std::memcpy(&a, &ax, 4);
+    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
+  }
+  uint32_t h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
+  const uint32_t rem = ax & 0x1fffu;
+  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
+  return static_cast<uint16_t>(sign | h);
+}
+
+float f16_to_f32(uint16_t h) {
+  float out;
+  ds4::dequantize_row(DType::F16, reinterpret_cast<const uint8_t*>(&h), &out, 1);
+  return out;
+}
+
+struct Rng {
+  std::mt19937_64 gen;
+  explicit Rng(uint64_t seed) : gen(seed) {}
+  double uniform(double a, double b) { return std::uniform_real_distribution<double>(a, b)(gen); }
+  float normal() { return static_cast<float>(std::normal_distribution<double>(0.0, 1.0)(gen)); }
+  int integer(int a, int b) { return std::uniform_int_distribution<int>(a, b)(gen); }
+};
+
+int64_t elems_per_block(DType t) { return ds4::block_elems(t); }
+
+// Random weights of type t: rows x K (x experts), values of moderate size so the reference
+// comparison measures arithmetic, not cancellation of huge terms.
+std::vector<uint8_t> random_weights(DType t, int64_t K, int64_t rows, Rng& rng) {
+  const int64_t nb = K / elems_per_block(t) * rows;
+  const int64_t bb = ds4::block_bytes(t);
+  std::vector<uint8_t> w(static_cast<size_t>(nb * bb) + 64);  // slack: never read (bounds are exact)
+  uint8_t* p = w.data();
+  for (int64_t b = 0; b < nb; ++b, p += bb) {
+    switch (t) {
+      case DType::F32: {
+        const float v = rng.normal();
+        std::memcpy(p, &v, 4);
+        break;
+      }
+      case DType::F16: {
+        const uint16_t h = f32_to_f16(rng.normal() * 0.5f);
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::BF16: {
+        const float v = rng.normal();
+        uint32_t u;
+        std::memcpy(&u, &v, 4);
+        const uint16_t h = static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+        std::memcpy(p, &h, 2);
+        break;
+      }
+      case DType::Q8_0: {
+        const uint16_t d = f32_to_f16(static_cast<float>(rng.uniform(0.002, 0.02) * (rng.integer(0, 1) ? 1 : -1)));
+        std::memcpy(p, &d, 2);
+        for (int i = 0; i < 32; ++i) p[2 + i] = static_cast<uint8_t>(rng.integer(-128, 127));
+        break;
+      }
+      case DType::Q4_K: {
+        for (int i = 0; i < 144; ++i) p[i] = static_cast<uint8_t>(rng.integer(0, 255));
+        const uint16_t d = f32_to_f16(static_cast<float>(rng.uniform(0.0005, 0.005)));
+        const uint16_t dmin = f32_to_f16(static_cast<float>(rng.uniform(0.0005, 0.005)));
+        std::memcpy(p, &d, 2);
+        std::memcpy(p + 2, &dmin, 2);
+        break;
+      }
+      case DType::MXFP4: {
+        p[0] = static_cast<uint8_t>(rng.integer(118, 129));
+        for (int i = 1; i < 17; ++i) p[i] = static_cast<uint8_t>(rng.integer(0, 255));
+        break;
+      }
+      default:
+        break;
+    }
+  }
+  return w;
+}
+
+// Fast random weights for timing (hundreds of MB): random bytes, then every scale field and
+// float exponent forced into a sane range (no inf/NaN; speed does not depend on the values).
+std::vector<uint8_t> fast_weights(DType t, int64_t K, int64_t rows, uint64_t seed) {
+  const int64_t nb = K / elems_per_block(t) * rows, bb = ds4::block_bytes(t);
+  std::vector<uint8_t> w(static_cast<size_t>(nb * bb));
+  uint64_t z = seed;
+  for (size_t i = 0; i + 8 <= w.size(); i += 8) {  // splitmix64
+    uint64_t r = (z += 0x9e3779b97f4a7c15ull);
+    r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+    r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+    r ^= r >> 31;
+    std::memcpy(&w[i], &r, 8);
+  }
+  uint8_t* p = w.data();
+  for (int64_t b = 0; b < nb; ++b, p += bb) {
+    switch (t) {
+      case DType::F32: p[3] &= 0xbf; break;                    // exponent < 128: |x| < 2
+      case DType::F16: case DType::BF16: p[1] &= 0xbf; break;  // likewise
+      case DType::Q8_0: p[1] = 0x1c | (p[1] & 0x80); break;    // |d| in [2^-8, 2^-7)
+      case DType::Q4_K: p[1] = 0x18; p[3] = 0x18; break;       // d, dmin in [2^-9, 2^-8)
+      case DType::MXFP4: p[0] = static_cast<uint8_t>(118 + p[0] % 12); break;
+      default: break;
+    }
+  }
+  return w;
+}
+
+std::vector<float> random_floats(size_t n, Rng& rng) {
+  std::vector<float> v(n);
+  for (auto& x : v) x = rng.normal();
+  return v;
+}
+
+TensorView view(DType t, int64_t K, int64_t rows, const void* data, int64_t experts = 1) {
+  TensorView v;
+  v.type = t;
+  v.ne[0] = K;
+  v.ne[1] = rows;
+  v.ne[2] = experts;
+  v.data = static_cast<const uint8_t*>(data);
+  return v;
+}
+
+const DType kTypes[] = {DType::F32, DType::F16, DType::BF16, DType::Q8_0, DType::Q4_K, DType::MXFP4};
+
+bool bits_equal(const float* a, const float* b, size_t n) { return std::memcmp(a, b, n * sizeof(float)) == 0; }
+
+// --- checks ----------------------------------------------------------------------------------
+
+// GPU matvec of a K x rows matrix against the double reference and the CPU kernel, and every
+// width 1..16 against single columns, bit for bit.
+void check_matvec(DType t, int64_t K, int64_t rows, Rng& rng, ds4::ThreadPool& pool, bool all_widths) {
+  const std::vector<uint8_t> wbytes = random_weights(t, K, rows, rng);
+  const TensorView W = view(t, K, rows, wbytes.data());
+  const int NC = 16;
+  const std::vector<float> X = random_floats(static_cast<size_t>(NC) * K, rng);
+
+  std::vector<float> gpu(static_cast<size_t>(NC) * rows, std::nanf("")), cpu(gpu.size());
+  g::testing::matvec(W, X.data(), NC, K, gpu.data(), rows);
+  ds4::matmul(W, X.data(), NC, K, cpu.data(), rows, pool);
+
+  // Reference in double from the CPU dequantizer.
+  std::vector<float> wrow(static_cast<size_t>(K));
+  double max_ref = 0.0, max_cpu = 0.0, num = 0.0, den = 0.0;
+  bool written = true;
+  for (int64_t r = 0; r < rows; ++r) {
+    ds4::dequantize_row(t, wbytes.data() + r * W.row_bytes(), wrow.data(), K);
+    for (int c = 0; c < NC; ++c) {
+      double ref = 0.0, scale = 0.0;
+      const float* x = &X[static_cast<size_t>(c) * K];
+      for (int64_t k = 0; k < K; ++k) {
+        ref += static_cast<double>(wrow[k]) * x[k];
+        scale += std::fabs(static_cast<double>(wrow[k]) * x[k]);
+      }
+      const double gv = gpu[c * rows + r];
+      written = written && std::isfinite(gv);
+      scale = std::max(scale, 1e-30);
+      max_ref = std::max(max_ref, std::fabs(gv - ref) / scale);
+      max_cpu = std::max(max_cpu, std::fabs(gv - cpu[c * rows + r]) / scale);
+      num += (gv - ref) * (gv - ref);
+      den += ref * ref;
+    }
+  }
+  const double norm_rel = std::sqrt(num / std::max(den, 1e-300));
+  char buf[256];
+  std::snprintf(buf, sizeof(buf), "matvec %-5s K=%-5" PRId64 " rows=%-5" PRId64
+                " ks=%d: |gpu-ref|/sum|wx| %.2e, |gpu-cpu|/sum|wx| %.2e, norm rel %.2e",
+                ds4::dtype_name(t), K, rows, g::matvec_kslices(rows, K / (t == DType::F32 || t == DType::F16 || t == DType::BF16 ? 8 : 32)),
+                max_ref, max_cpu, norm_rel);
+  report(written && max_ref <= 2e-3 && max_cpu <= 2e-3 && norm_rel <= 2e-3, buf);
+
+  // Determinism: the same call twice, bit for bit.
+  std::vector<float> again(gpu.size(), std::nanf(""));
+  g::testing::matvec(W, X.data(), NC, K, again.data(), rows);
+  report(bits_equal(gpu.data(), again.data(), gpu.size()), std::string("matvec ") + ds4::dtype_name(t) + " deterministic");
+
+  // Width exactness: column c of every width equals column c computed alone.
+  std::vector<float> single(gpu.size(), std::nanf(""));
+  for (int c = 0; c < NC; ++c) g::testing::matvec(W, &X[static_cast<size_t>(c) * K], 1, K, &single[c * rows], rows);
+  int bad = 0;
+  const int widths_lo = all_widths ? 1 : NC;
+  for (int w = widths_lo; w <= NC; ++w) {
+    for (int start : {0, NC - w}) {
+      std::vector<float> y(static_cast<size_t>(w) * rows, std::nanf(""));
+      g::testing::matvec(W, &X[static_cast<size_t>(start) * K], w, K, y.data(), rows);
+      for (int c = 0; c < w; ++c)
+        if (!bits_equal(&y[c * rows], &single[(start + c) * rows], rows)) ++bad;
+    }
+  }
+  if (!bits_equal(gpu.data(), single.data(), gpu.size())) ++bad;
+  std::snprintf(buf, sizeof(buf), "matvec %s widths %d..16 bit-identical to single columns (%d mismatching columns)",
+                ds4::dtype_name(t), widths_lo, bad);
+  report(bad == 0, buf);
+}
+
+// Expert-grouped product: each pair bit-identical to the single-column product of its expert.
+void check_grouped(DType t, int64_t K, int64_t rows, int n_expert, int n_lanes, int per_lane, int max_part, Rng& rng) {
+  const std::vector<uint8_t> wbytes = random_weights(t, K, rows * n_expert, rng);
+  const TensorView W = view(t, K, rows, wbytes.data(), n_expert);
+  const std::vector<float> X = random_floats(static_cast<size_t>(n_lanes) * K, rng);
+  std::vector<int32_t> pe, xr;
+  for (int l = 0; l < n_lanes; ++l) {
+    std::vector<int> ex(n_expert);
+    for (int e = 0; e < n_expert; ++e) ex[e] = e;
+    std::shuffle(ex.begin(), ex.end(), rng.gen);
+    for (int j = 0; j < per_lane; ++j) {
+      pe.push_back(ex[j] % std::max(1, n_expert / 2));  // half the experts: parts of several lanes
+      xr.push_back(l);
+    }
+  }
+  const int n_pairs = static_cast<int>(pe.size());
+  std::vector<float> y(static_cast<size_t>(n_pairs) * rows, std::nanf(""));
+  g::testing::matvec_grouped(W, X.data(), n_lanes, K, pe.data(), xr.data(), n_pairs, max_part, y.data(), rows);
+  int bad = 0;
+  std::vector<float> single(static_cast<size_t>(rows));
+  for (int p = 0; p < n_pairs; ++p) {
+    const TensorView We = W.expert(pe[p]);
+    g::testing::matvec(We, &X[static_cast<size_t>(xr[p]) * K], 1, K, single.data(), rows);
+    if (!bits_equal(single.data(), &y[static_cast<size_t>(p) * rows], rows)) ++bad;
+  }
+  char buf[200];
+  std::snprintf(buf, sizeof(buf), "grouped %-5s K=%" PRId64 " rows=%" PRId64 " %d experts, %d pairs, parts<=%d: %d pairs differ from single columns",
+                ds4::dtype_name(t), K, rows, n_expert, n_pairs, max_part, bad);
+  report(bad == 0, buf);
+}
+
+void check_rms_norm(Rng& rng) {
+  const int n_rows = 5;
+  const int64_t n = 4096;
+  const std::vector<float> X = random_floats(n_rows * n, rng);
+  std::vector<float> w = random_floats(n, rng);
+  int worst = 0;
+  for (bool weighted : {true, false}) {
+    std::vector<float> y(X.size(), std::nanf(""));
+    g::testing::rms_norm(X.data(), weighted ? w.data() : nullptr, y.data(), n_rows, n, 1e-6f);
+    for (int i = 0; i < n_rows; ++i) {
+      double ss = 0.0;
+      for (int64_t k = 0; k < n; ++k) ss += static_cast<double>(X[i * n + k]) * X[i * n + k];
+      const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + 1e-6f));
+      for (int64_t k = 0; k < n; ++k) {
+        const float ref = weighted ? X[i * n + k] * r * w[k] : X[i * n + k] * r;
+        int32_t a, b;
+        std::memcpy(&a, &ref, 4);
+        std::memcpy(&b, &y[i * n + k], 4);
+        worst = std::max(worst, std::abs(a - b));
+      }
+    }
+  }
+  report(worst <= 1, "rms_norm within 1 ulp of the CPU formula (max " + std::to_string(worst) + " ulp)");
+}
+
+void check_embed(Rng& rng) {
+  for (DType t : kTypes) {
+    const int64_t K = 512, vocab = 97;
+    const std::vector<uint8_t> table = random_weights(t, K, vocab, rng);
+    const TensorView E = view(t, K, vocab, table.data());
+    std::vector<int32_t> tok = {0, 96, 5, 5, 42};
+    std::vector<float> y(tok.size() * K, std::nanf("")), ref(K);
+    g::testing::embed_rows(E, tok.data(), static_cast<int>(tok.size()), y.data());
+    int bad = 0;
+    for (size_t i = 0; i < tok.size(); ++i) {
+      ds4::dequantize_row(t, table.data() + tok[i] * E.row_bytes(), ref.data(), K);
+      for (int64_t k = 0; k < K; ++k) {
+        const float a = ref[k], b = y[i * K + k];
+        // Zero weights may differ in sign (Q8_0 q = 0 under d < 0, MXFP4 code 8; see matvec.cuh).
+        const bool same = std::memcmp(&a, &b, 4) == 0 || ((t == DType::MXFP4 || t == DType::Q8_0) && a == 0.0f && b == 0.0f);
+        bad += !same;
+      }
+    }
+    report(bad == 0, std::string("embed ") + ds4::dtype_name(t) + " rows equal the CPU dequantizer (" +
+                         std::to_string(bad) + " differ)");
+  }
+}
+
+void check_rope(Rng& rng) {
+  const int n_rows = 3, n_heads = 4, head_dim = 128, rope_dim = 64, half = rope_dim / 2;
+  std::vector<double> inv(half);
+  for (int k = 0; k < half; ++k) inv[k] = std::pow(10000.0, -2.0 * k / rope_dim);
+  std::vector<int32_t> pos = {0, 77, 1000003};
+  for (bool inverse : {false, true}) {
+    std::vector<float> x = random_floats(static_cast<size_t>(n_rows) * n_heads * head_dim, rng);
+    std::vector<float> ref = x;
+    g::testing::rope_tail(x.data(), n_rows, n_heads, head_dim, rope_dim, pos.data(), inv.data(), inverse);
+    double worst = 0.0;
+    for (int i = 0; i < n_rows; ++i)
+      for (int h = 0; h < n_heads; ++h) {
+        float* t = &ref[(static_cast<size_t>(i) * n_heads + h) * head_dim + head_dim - rope_dim];
+        for (int k = 0; k < half; ++k) {
+          const double a = static_cast<double>(pos[i]) * inv[k];
+          const float c = static_cast<float>(std::cos(a)), s0 = static_cast<float>(std::sin(a));
+          const float s = inverse ? -s0 : s0;
+          const float x0 = t[2 * k], x1 = t[2 * k + 1];
+          t[2 * k] = x0 * c - x1 * s;
+          t[2 * k + 1] = x0 * s + x1 * c;
+        }
+      }
+    for (size_t i = 0; i < x.size(); ++i) worst = std::max(worst, static_cast<double>(std::fabs(x[i] - ref[i])));
+    char buf[128];
+    std::snprintf(buf, sizeof(buf), "rope_tail%s max |gpu - cpu formula| %.2e", inverse ? " (inverse)" : "", worst);
+    report(worst <= 1e-5, buf);
+  }
+}
+
+void check_attention(Rng& rng) {
+  const int n_head = 8, head_dim = 512, kv_rows = 3000;
+  std::vector<uint16_t> kv(static_cast<size_t>(kv_rows) * head_dim);
+  for (auto& h : kv) h = f32_to_f16(rng.normal() * 0.5f);
+  // Lanes with 0, 1, 129 and 4000 keys (4 heads x 4000 logits need more than the 48 KB default).
+  const std::vector<int> counts = {0, 1, 129, 4000};
+  std::vector<int32_t> off = {0}, rows;
+  for (int c : counts) {
+    for (int j = 0; j < c; ++j) rows.push_back(rng.integer(0, kv_rows - 1));
+    off.push_back(static_cast<int32_t>(rows.size()));
+  }
+  const int n_lanes = static_cast<int>(counts.size());
+  const std::vector<float> q = random_floats(static_cast<size_t>(n_lanes) * n_head * head_dim, rng);
+  std::vector<float> sinks(n_head);
+  for (auto& s : sinks) s = rng.normal();
+  std::vector<float> out(q.size(), std::nanf(""));
+  g::testing::attention_sink(q.data(), kv.data(), kv_rows, rows.data(), off.data(), n_lanes, n_head, head_dim,
+                             sinks.data(), out.data());
+  double worst = 0.0;
+  bool finite = true;
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  for (int li = 0; li < n_lanes; ++li)
+    for (int h = 0; h < n_head; ++h) {
+      const int n = off[li + 1] - off[li];
+      const float* qh = &q[(static_cast<size_t>(li) * n_head + h) * head_dim];
+      std::vector<double> l(n);
+      double mx = sinks[h];
+      for (int j = 0; j < n; ++j) {
+        double s = 0.0;
+        for (int e = 0; e < head_dim; ++e) s += static_cast<double>(qh[e]) * f16_to_f32(kv[static_cast<size_t>(rows[off[li] + j]) * head_dim + e]);
+        l[j] = s * scale;
+        mx = std::max(mx, l[j]);
+      }
+      double den = std::exp(sinks[h] - mx);
+      for (int j = 0; j < n; ++j) den += std::exp(l[j] - mx);
+      for (int e = 0; e < head_dim; ++e) {
+        double o = 0.0, mag = 0.0;
+        for (int j = 0; j < n; ++j) {
+          const double kvv = f16_to_f32(kv[static_cast<size_t>(rows[off[li] + j]) * head_dim + e]);
+          o += std::exp(l[j] - mx) / den * kvv;
+          mag += std::exp(l[j] - mx) / den * std::fabs(kvv);
+        }
+        const double gv = out[(static_cast<size_t>(li) * n_head + h) * head_dim + e];
+        finite = finite && std::isfinite(gv);
+        worst = std::max(worst, std::fabs(gv - o) / std::max(mag, 1e-30));
+      }
+    }
+  char buf[160];
+  std::snprintf(buf, sizeof(buf), "attention_sink (keys 0/1/129/4000, head_dim 512) |gpu-ref|/sum p|k| %.2e", worst);
+  report(finite && worst <= 2e-3, buf);
+}
+
+void check_argmax(Rng& rng) {
+  const int n_rows = 4;
+  const int64_t n = 129280;
+  std::vector<float> x = random_floats(static_cast<size_t>(n_rows) * n, rng);
+  // Row 1: a tie at the maximum (first index wins); row 2: a NaN (numpy: first NaN); row 3: all equal.
+  x[1 * n + 500] = 100.0f;
+  x[1 * n + 90000] = 100.0f;
+  x[2 * n + 7] = 50.0f;
+  x[2 * n + 12345] = std::nanf("");
+  x[2 * n + 99999] = std::nanf("");
+  for (int64_t k = 0; k < n; ++k) x[3 * n + k] = -1.0f;
+  std::vector<int32_t> got(n_rows, -7);
+  g::testing::argmax_rows(x.data(), n_rows, n, got.data());
+  bool ok = true;
+  for (int i = 0; i < n_rows; ++i) {
+    int64_t best = 0;
+    for (int64_t k = 1; k < n; ++k) {
+      const float a = x[i * n + k], b = x[i * n + best];
+      if (std::isnan(b)) break;
+      if (std::isnan(a) || a > b) best = k;
+    }
+    ok = ok && got[i] == best;
+  }
+  report(ok, "argmax (ties: first index; NaN: first NaN) matches numpy's rule");
+}
+
+// The device decoders run on the host (they are __host__ __device__): every element of random
+// rows over the whole legal range of each type, against the CPU dequantizer, bit for bit. Needs
+// no GPU, so it also runs where the harness is built.
+template <int T>
+int decode_mismatches(const uint8_t* row, int64_t K, const float* ref) {
+  using U = g::Unit<T>;
+  int bad = 0;
+  for (int64_t u = 0; u < K / U::kElems; ++u) {
+    typename U::Raw raw;
+    U::load(raw, row, u);
+    for (int gi = 0; gi < U::kGroups; ++gi) {
+      float w[4];
+      U::decode(raw, gi, w);
+      const int64_t k = U::k_of(u, gi);
+      for (int e = 0; e < 4; ++e) {
+        const float a = ref[k + e], b = w[e];
+        const bool same = std::memcmp(&a, &b, 4) == 0 || (a == 0.0f && b == 0.0f && (T == g::kMXFP4 || T == g::kQ8_0)) ||
+                          (std::isnan(a) && std::isnan(b));
+        bad += !same;
+      }
+    }
+  }
+  return bad;
+}
+
+void check_decode_on_host(Rng& rng) {
+  const int64_t K = 1024, rows = 64;
+  for (DType t : kTypes) {
+    const int64_t bb = ds4::block_bytes(t), nb = K / elems_per_block(t) * rows;
+    std::vector<uint8_t> w(static_cast<size_t>(nb * bb) + 16);
+    // 16-byte aligned start, as the device copies are.
+    uint8_t* base = w.data() + ((16 - reinterpret_cast<uintptr_t>(w.data()) % 16) % 16);
+    for (int64_t i = 0; i < nb * bb; ++i) base[i] = static_cast<uint8_t>(rng.integer(0, 255));
+    // No inf/NaN scales (real files have none; the CPU and GPU forms of inf * 0 differ).
+    for (int64_t b = 0; b < nb; ++b) {
+      uint8_t* p = base + b * bb;
+      if (t == DType::Q8_0 || t == DType::Q4_K) p[1] &= 0xbf;
+      if (t == DType::Q4_K) p[3] &= 0xbf;
+      if (t == DType::MXFP4 && p[0] == 255) p[0] = 254;
+    }
+    if (t == DType::F16 || t == DType::BF16 || t == DType::F32) {
+      const int64_t n = K * rows;
+      for (int64_t i = 0; i < n; ++i) {  // no NaN payload comparisons: clear NaNs to infinities
+        if (t == DType::F16 && (base[2 * i + 1] & 0x7c) == 0x7c) base[2 * i] = 0, base[2 * i + 1] &= 0xfc;
+        if (t == DType::BF16 && (base[2 * i + 1] & 0x7f) == 0x7f && (base[2 * i] & 0x80)) base[2 * i] = 0x80;
+      }
+    }
+    std::vector<float> ref(static_cast<size_t>(K));
+    int bad = 0;
+    for (int64_t r = 0; r < rows; ++r) {
+      const uint8_t* row = base + r * (K / elems_per_block(t) * bb);
+      ds4::dequantize_row(t, row, ref.data(), K);
+      switch (t) {
+        case DType::F32: bad += decode_mismatches<g::kF32>(row, K, ref.data()); break;
+        case DType::F16: bad += decode_mismatches<g::kF16>(row, K, ref.data()); break;
+        case DType::BF16: bad += decode_mismatches<g::kBF16>(row, K, ref.data()); break;
+        case DType::Q8_0: bad += decode_mismatches<g::kQ8_0>(row, K, ref.data()); break;
+        case DType::Q4_K: bad += decode_mismatches<g::kQ4_K>(row, K, ref.data()); break;
+        case DType::MXFP4: bad += decode_mismatches<g::kMXFP4>(row, K, ref.data()); break;
+        default: break;
+      }
+    }
+    report(bad == 0, std::string("decode ") + ds4::dtype_name(t) + " (host run of the device decoders) equals the CPU dequantizer, " +
+                         std::to_string(bad) + " differ");
+  }
+}
+
+// --- timing ----------------------------------------------------------------------------------
+
+struct DeviceMem {
+  void* p = nullptr;
+  explicit DeviceMem(size_t bytes) { DS4_GPU_CHECK(cudaMalloc(&p, bytes)); }
+  ~DeviceMem() { (void)cudaFree(p); }
+  template <class T>
+  T* as() const {
+    return static_cast<T*>(p);
+  }
+};
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v[v.size() / 2];
+}
+
+// Median seconds per launch: `per_graph` launches captured in one graph, replayed `reps` times.
+double time_launches(const std::function<void(cudaStream_t, int)>& launch, int per_graph, int reps) {
+  cudaStream_t s;
+  DS4_GPU_CHECK(cudaStreamCreate(&s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DS4_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < per_graph; ++i) launch(s, i);
+  DS4_GPU_CHECK(cudaStreamEndCapture(s, &graph));
+  DS4_GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  DS4_GPU_CHECK(cudaEventCreate(&a));
+  DS4_GPU_CHECK(cudaEventCreate(&b));
+  for (int w = 0; w < 2; ++w) DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    DS4_GPU_CHECK(cudaEventRecord(a, s));
+    DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
+    DS4_GPU_CHECK(cudaEventRecord(b, s));
+    DS4_GPU_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DS4_GPU_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3 / per_graph);
+  }
+  DS4_GPU_CHECK(cudaGraphExecDestroy(exec));
+  DS4_GPU_CHECK(cudaGraphDestroy(graph));
+  DS4_GPU_CHECK(cudaEventDestroy(a));
+  DS4_GPU_CHECK(cudaEventDestroy(b));
+  DS4_GPU_CHECK(cudaStreamDestroy(s));
+  return median(t);
+}
+
+double copy_bandwidth() {
+  const size_t bytes = size_t{1} << 31;  // 2 GiB each way: far beyond the 50-60 MB L2
+  DeviceMem a(bytes), b(bytes);
+  DS4_GPU_CHECK(cudaMemset(a.p, 1, bytes));
+  const double s = time_launches([&](cudaStream_t st, int) {
+    DS4_GPU_CHECK(cudaMemcpyAsync(b.p, a.p, bytes, cudaMemcpyDeviceToDevice, st));
+  }, 1, 15);
+  return 2.0 * static_cast<double>(bytes) / s;  // bytes read + bytes written
+}
+
+struct BenchRow {
+  std::string name;
+  int ncols;
+  double us, gbs, frac;
+};
+
+// Random device copies of a weight matrix, enough of them that one pass over all exceeds the L2
+// several times, so every timed launch reads its weights from memory.
+struct WeightSet {
+  std::vector<DeviceMem*> copies;
+  TensorView base;
+  WeightSet(DType t, int64_t K, int64_t rows, int64_t experts, Rng& rng) {
+    const std::vector<uint8_t> host = fast_weights(t, K, rows * experts, rng.gen());
+    base = view(t, K, rows, nullptr, experts);
+    const size_t bytes = static_cast<size_t>(base.nbytes());
+    const int n = static_cast<int>(std::max<size_t>(1, std::min<size_t>(64, (size_t{512} << 20) / bytes)));
+    for (int i = 0; i < n; ++i) {
+      copies.push_back(new DeviceMem(bytes));
+      DS4_GPU_CHECK(cudaMemcpy(copies.back()->p, host.data(), bytes, cudaMemcpyHostToDevice));
+    }
+  }
+  ~WeightSet() {
+    for (auto* c : copies) delete c;
+  }
+  TensorView at(int i) const {
+    TensorView v = base;
+    v.data = copies[i % copies.size()]->as<uint8_t>();
+    return v;
+  }
+};
+
+void bench_dense(const char* name, DType t, int64_t K, int64_t rows, double copy_bw, Rng& rng,
+                 std::vector<BenchRow>& out) {
+  WeightSet ws(t, K, rows, 1, rng);
+  DeviceMem x(16 * K * sizeof(float)), y(16 * rows * sizeof(float));
+  const std::vector<float> xh = random_floats(16 * K, rng);
+  DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
+  for (int nc : {1, 2, 4, 8, 16}) {
+    const int per_graph = static_cast<int>(std::max<size_t>(ws.copies.size(), 20));
+    const double s = time_launches([&](cudaStream_t st, int i) {
+      g::matvec(ws.at(i), x.as<float>(), nc, K, y.as<float>(), rows, st);
+    }, per_graph, 15);
+    const double bytes = static_cast<double>(ws.base.nbytes()) + 4.0 * nc * (K + rows);
+    out.push_back({name, nc, s * 1e6, bytes / s / 1e9, bytes / s / copy_bw});
+  }
+}
+
+// Grouped experts: n_lanes lanes x 6 routes over `experts` experts; bytes = distinct experts read.
+void bench_grouped(const char* name, DType t, int64_t K, int64_t rows, int experts, double copy_bw, Rng& rng,
+                   std::vector<BenchRow>& out) {
+  const int per_lane = 6, n_sets = 16;
+  WeightSet ws(t, K, rows, experts, rng);
+  for (int n_lanes : {1, 2, 4, 8, 16}) {
+    const int n_pairs = n_lanes * per_lane;
+    DeviceMem x(static_cast<size_t>(n_lanes) * K * sizeof(float)), y(static_cast<size_t>(n_pairs) * rows * sizeof(float));
+    const std::vector<float> xh = random_floats(static_cast<size_t>(n_lanes) * K, rng);
+    DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
+    // n_sets routings, each planned once on the device; the timed launches rotate through them.
+    std::vector<DeviceMem*> keep;
+    std::vector<int32_t*> sorted(n_sets), nparts(n_sets);
+    std::vector<g::ExpertPart*> parts(n_sets);
+    double distinct_total = 0.0;
+    DeviceMem xr(n_pairs * sizeof(int32_t));
+    std::vector<int32_t> xrh(n_pairs);
+    for (int p = 0; p < n_pairs; ++p) xrh[p] = p / per_lane;
+    DS4_GPU_CHECK(cudaMemcpy(xr.p, xrh.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
+    for (int sidx = 0; sidx < n_sets; ++sidx) {
+      std::vector<int32_t> pe;
+      std::vector<char> seen(experts, 0);
+      for (int l = 0; l < n_lanes; ++l) {
+        std::vector<int> ex(experts);
+        for (int e = 0; e < experts; ++e) ex[e] = e;
+        std::shuffle(ex.begin(), ex.end(), rng.gen);
+        for (int j = 0; j < per_lane; ++j) {
+          pe.push_back(ex[j]);
+          seen[ex[j]] = 1;
+        }
+      }
+      distinct_total += std::count(seen.begin(), seen.end(), 1);
+      auto* pe_d = new DeviceMem(n_pairs * sizeof(int32_t));
+      auto* so_d = new DeviceMem(n_pairs * sizeof(int32_t));
+      auto* pa_d = new DeviceMem(n_pairs * sizeof(g::ExpertPart));
+      auto* np_d = new DeviceMem(sizeof(int32_t));
+      keep.insert(keep.end(), {pe_d, so_d, pa_d, np_d});
+      DS4_GPU_CHECK(cudaMemcpy(pe_d->p, pe.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
+      g::build_expert_parts(pe_d->as<int32_t>(), n_pairs, experts, 8, so_d->as<int32_t>(), pa_d->as<g::ExpertPart>(),
+                            np_d->as<int32_t>(), nullptr);
+      sorted[sidx] = so_d->as<int32_t>();
+      parts[sidx] = pa_d->as<g::ExpertPart>();
+      nparts[sidx] = np_d->as<int32_t>();
+    }
+    DS4_GPU_CHECK(cudaDeviceSynchronize());
+    const double s = time_launches([&](cudaStream_t st, int i) {
+      const int k = i % n_sets;
+      g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
+                        y.as<float>(), rows, st);
+    }, 32, 15);
+    const double expert_bytes = static_cast<double>(ws.base.row_bytes()) * rows;
+    const double bytes = distinct_total / n_sets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
+    out.push_back({name, n_lanes, s * 1e6, bytes / s / 1e9, bytes / s / copy_bw});
+    for (auto* m : keep) delete m;
+  }
+}
+
+int run_bench(const char* json_path, Rng& rng) {
+  const double bw = copy_bandwidth();
+  std::printf("device-to-device copy: %.1f GB/s (read + write)\n", bw / 1e9);
+  std::vector<BenchRow> rows;
+  bench_dense("Q8_0 [4096 -> 32768]", DType::Q8_0, 4096, 32768, bw, rng, rows);
+  bench_dense("Q4_K [4096 -> 2048] one expert", DType::Q4_K, 4096, 2048, bw, rng, rows);
+  bench_dense("MXFP4 [2048 -> 4096] one expert", DType::MXFP4, 2048, 4096, bw, rng, rows);
+  bench_dense("F16 [4096 -> 1024]", DType::F16, 4096, 1024, bw, rng, rows);
+  bench_dense("BF16 [4096 -> 1024]", DType::BF16, 4096, 1024, bw, rng, rows);
+  bench_dense("F32 [16384 -> 24]", DType::F32, 16384, 24, bw, rng, rows);
+  bench_dense("Q8_0 [4096 -> 129280] lm head", DType::Q8_0, 4096, 129280, bw, rng, rows);
+  bench_grouped("grouped Q4_K [4096 -> 2048] x256, 6 routes/lane", DType::Q4_K, 4096, 2048, 256, bw, rng, rows);
+  bench_grouped("grouped MXFP4 [2048 -> 4096] x256, 6 routes/lane", DType::MXFP4, 2048, 4096, 256, bw, rng, rows);
+  std::printf("\n%-52s %5s %10s %9s %8s\n", "matrix", "cols", "us/call", "GB/s", "of copy");
+  for (const auto& r : rows)
+    std::printf("%-52s %5d %10.2f %9.1f %7.1f%%\n", r.name.c_str(), r.ncols, r.us, r.gbs, 100.0 * r.frac);
+  if (json_path) {
+    FILE* f = std::fopen(json_path, "w");
+    if (!f) return 1;
+    std::fprintf(f, "{\"device\": \"%s\", \"copy_gbs\": %.2f, \"rows_per_warp\": [%d, %d], \"results\": [\n",
+                 g::device_name().c_str(), bw / 1e9, DS4_MV_R_NARROW, DS4_MV_R_WIDE);
+    for (size_t i = 0; i < rows.size(); ++i)
+      std::fprintf(f, "  {\"matrix\": \"%s\", \"cols\": %d, \"us\": %.3f, \"gbs\": %.2f, \"frac_copy\": %.4f}%s\n",
+                   rows[i].name.c_str(), rows[i].ncols, rows[i].us, rows[i].gbs, rows[i].frac,
+                   i + 1 < rows.size() ? "," : "");
+    std::fprintf(f, "]}\n");
+    std::fclose(f);
+  }
+  return 0;
+}
+
+int run_check(uint64_t seed, bool quick) {
+  Rng rng(seed);
+  ds4::ThreadPool pool(0);
+  std::printf("device: %s; seed %" PRIu64 "; rows per warp %d (<=4 cols) / %d\n", g::device_name().c_str(), seed,
+              DS4_MV_R_NARROW, DS4_MV_R_WIDE);
+  for (DType t : kTypes) {
+    if (quick) {
+      check_matvec(t, 512, 37, rng, pool, false);
+      continue;
+    }
+    check_matvec(t, 4096, 300, rng, pool, true);   // 4 k-slices
+    check_matvec(t, 4096, 2100, rng, pool, false);  // 2 k-slices
+    check_matvec(t, 512, 9001, rng, pool, false);   // 1 k-slice, a partial last block
+  }
+  for (DType t : kTypes) {
+    check_grouped(t, 512, quick ? 40 : 300, 16, quick ? 3 : 9, 6, 8, rng);
+    if (!quick) check_grouped(t, 512, 300, 16, 9, 6, 1, rng);
+  }
+  check_rms_norm(rng);
+  check_embed(rng);
+  check_rope(rng);
+  check_attention(rng);
+  check_argmax(rng);
+  std::printf("%s: %d failure(s)\n", g_failures ? "FAILED" : "PASSED", g_failures);
+  return g_failures ? 1 : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool check = false, quick = false, bench = false, decode = false;
+  const char* json = nullptr;
+  uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--check") check = true;
+    else if (a == "--quick") check = quick = true;
+    else if (a == "--bench") bench = true;
+    else if (a == "--decode") decode = true;
+    else if (a == "--json" && i + 1 < argc) json = argv[++i];
+    else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
+    else {
+      std::fprintf(stderr, "usage: harness [--decode] [--check | --quick] [--bench [--json FILE]] [--seed N]\n");
+      return 2;
+    }
+  }
+  if (decode) {
+    Rng rng(seed);
+    check_decode_on_host(rng);
+    if (!check && !bench) return g_failures ? 1 : 0;
+  }
+  if (!g::available()) {
+    std::fprintf(stderr, "no GPU device\n");
+    return 3;
+  }
+  try {
+    int rc = 0;
+    if (check) rc |= run_check(seed, quick);
+    if (bench) {
+      Rng rng(seed + 1);
+      rc |= run_bench(json, rng);
+    }
+    return rc;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "error: %s\n", e.what());
+    return 1;
+  }
+}

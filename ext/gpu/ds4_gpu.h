@@ -1,0 +1,127 @@
+// Host interface of the GPU backend (plain C++: included by the Cython binding and by the GPU
+// step executor alike). Every kernel launcher takes device pointers and runs asynchronously on
+// a stream; the `testing` functions take host buffers, upload, run, download and synchronize
+// (they exist so the kernels can be checked from Python against the CPU kernels).
+//
+// Built without a GPU backend (DS4_GPU=off: neither DS4_GPU_CUDA nor DS4_GPU_HIP defined, and
+// not compiled by nvcc or hipcc) this header still compiles: available() is false and every other call throws std::runtime_error,
+// so the binding can declare the same functions in every build.
+//
+// Numerics, shared by every kernel: fp32 accumulation; weights dequantized exactly as
+// ext/cpu/quant.cpp does; each matvec column is single-column arithmetic (bit-identical
+// whatever else shares the launch); every result is deterministic run to run.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "ds4/kernels.h"
+
+#if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+// Devices the GPU backend sees (0: no driver or no device; never throws). Global and unmangled by
+// namespace so the binding can declare it without this header (ext/python/_native.pyx does).
+int ds4_gpu_device_count();
+#endif
+
+namespace ds4::gpu {
+
+using Stream = void*;  // a cudaStream_t / hipStream_t; nullptr is the default stream
+
+// One part of an expert-grouped product: sorted pairs [first, first + count) share `expert`.
+struct ExpertPart {
+  int32_t expert, first, count;
+};
+
+#if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+
+// True when this build has a GPU backend and at least one device is visible.
+bool available();
+// The device this process uses, e.g. "NVIDIA H200 (cc 9.0, 132 SMs, 140 GiB)"; "" without one.
+std::string device_name();
+
+// --- kernels (device pointers) -------------------------------------------------------------
+
+// Y[c * ldy + r] = sum_k W[r][k] * X[c * ldx + k] for c < ncols (1..16), all rows of W. W.data is
+// a device pointer; X 16-byte aligned with ldx % 4 == 0; W.data 16-byte aligned for F32, F16,
+// BF16 and Q4_K. K = W.ne[0] must be a multiple of 8 (F32/F16/BF16), 32 (Q8_0, MXFP4) or 256 (Q4_K).
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream);
+
+// Sort pairs by expert (stably) into parts of at most max_part (1..8) pairs, on the device.
+// pair_expert[n_pairs]: each pair's expert; out: sorted_pairs[n_pairs] (pair ids in part order),
+// parts[n_pairs] (at most n_pairs parts), n_parts[1]. scratch: none; one block.
+void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part, int32_t* sorted_pairs,
+                        ExpertPart* parts, int32_t* n_parts, Stream stream);
+
+// Expert-grouped product over a 3-D stack W [K, rows, n_expert]: for every pair p listed in the
+// parts, Y[p * ldy + r] = W[expert(p)][r] . X[x_row[p] * ldx] (x_row null: row p). max_parts
+// bounds *n_parts (the launch is sized for it, so a captured graph stays valid).
+void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
+                    const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
+                    int64_t ldy, Stream stream);
+
+// Y[i] = X[i] * rsqrt(mean(X[i]^2) + eps) * w (w may be null), rows i < n_rows of n elements; the
+// sum of squares in double, as the CPU does.
+void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy, int n_rows, int64_t n, float eps,
+              Stream stream);
+
+// Y[i] = row tokens[i] of E (F32, F16, BF16, Q8_0, Q4_K or MXFP4), dequantized exactly.
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream);
+
+// Tail RoPE in place: for row i and head h, the interleaved pairs of the last rope_dim elements
+// of X[i * row_stride + h * head_dim ...] turn by pos[i] * inv_freq[k] (negated: inverse). cos/sin
+// in double, rounded once to float, then the CPU's mul/sub arithmetic.
+void rope_tail(float* X, int n_rows, int n_heads, int64_t row_stride, int head_dim, int rope_dim, const int32_t* pos,
+               const double* inv_freq, bool inverse, Stream stream);
+
+// Attention with a sink column. Lane i attends over the f16 rows kv[key_rows[j] * head_dim]
+// for j in [key_off[i], key_off[i+1]) (K = V): logits q.k / sqrt(head_dim), softmax with
+// sinks[h] in the denominator only, out[i][h] = sum p_j k_j. q and out are [n_lanes][n_head]
+// [head_dim] fp32; head_dim % 8 == 0 and <= 512; every lane has at most max_keys rows.
+void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows, const int32_t* key_off, int n_lanes,
+                    int n_head, int head_dim, const float* sinks, int max_keys, float* out, Stream stream);
+
+// out[i] = index of the largest of X[i * ldx .. + n) (first one on ties; NaN counts as largest).
+void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream);
+
+// --- testing: the same on host buffers (synchronous) ---------------------------------------
+namespace testing {
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy);
+// pair p: expert pair_expert[p], activation row x_row[p] of X (x_rows rows); Y[p] out.
+void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
+                    const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy);
+void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
+void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
+               const double* inv_freq, bool inverse);
+void attention_sink(const float* q, const uint16_t* kv, int64_t kv_rows, const int32_t* key_rows,
+                    const int32_t* key_off, int n_lanes, int n_head, int head_dim, const float* sinks, float* out);
+void argmax_rows(const float* X, int n_rows, int64_t n, int32_t* out);
+}  // namespace testing
+
+#else  // no GPU backend in this build
+
+inline bool available() { return false; }
+inline std::string device_name() { return std::string(); }
+namespace testing {
+[[noreturn]] inline void no_backend() {
+  throw std::runtime_error("this _native build has no GPU backend; rebuild with DS4_GPU=cuda or DS4_GPU=hip");
+}
+inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_t) { no_backend(); }
+inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, const int32_t*, const int32_t*, int, int,
+                           float*, int64_t) {
+  no_backend();
+}
+inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
+inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }
+inline void rope_tail(float*, int, int, int, int, const int32_t*, const double*, bool) { no_backend(); }
+inline void attention_sink(const float*, const uint16_t*, int64_t, const int32_t*, const int32_t*, int, int, int,
+                           const float*, float*) {
+  no_backend();
+}
+inline void argmax_rows(const float*, int, int64_t, int32_t*) { no_backend(); }
+}  // namespace testing
+
+#endif
+
+}  // namespace ds4::gpu

@@ -1,0 +1,386 @@
+// Weight-reuse matrix-vector products for 1..16 activation columns, fused dequantization.
+//
+// Computes Y[c][r] = sum_k W[r][k] * X[c][k] (fp32 accumulate) for a weight matrix stored as
+// GGUF rows (ne[0] = K contiguous elements per row, ne[1] = rows) in F32, F16, BF16, Q8_0, Q4_K
+// or MXFP4, and NC fp32 activation columns (X[c] at X + xoff(c), Y[c] at Y + yoff(c)).
+//
+// Layout of the work. A row is cut into units of 32 elements (8 for F32/F16/BF16); lane l of a
+// k-slice owns units l, l+32*KS, l+64*KS, ... . A warp handles R rows at once and decodes each
+// weight unit once, then applies it to every column, so a weight byte crosses the memory bus
+// once per call whatever NC is. KS warps of a block split one row group's units (KS = 1, 2 or
+// 4 from the matrix shape alone: more k-slices for short matrices, so they still fill the GPU).
+//
+// Exactness (each column is single-column arithmetic): lane l accumulates its units in
+// increasing order and, inside a unit, its elements in a fixed order, into one fp32 register
+// per (row, column) with fmaf(w, x, acc); the 32 lanes are combined by the butterfly of
+// warp_sum; k-slices by a fixed tree ((s0 + s1) + (s2 + s3)). Nothing in that sequence depends
+// on NC, R or the other columns, so column c of an NC-column call is bit-identical to the same
+// column computed alone, and every call is deterministic. (R and the block shape only change
+// which registers hold which rows; the unit-to-lane map depends only on K and KS.)
+//
+// Launch shape: 128 threads (4 warps) per block; a block covers R * 4/KS rows; grid.x = row
+// blocks (grid.y = expert parts in the grouped kernel).
+// Bytes it must move: rows * row_bytes of weights once, plus NC * K * 4 of activations (read
+// from L1/L2 by every row group) and NC * rows * 4 of outputs.
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace ds4::gpu {
+
+// ggml type ids (ds4::DType values), usable as template arguments.
+enum : int { kF32 = 0, kF16 = 1, kQ8_0 = 8, kQ4_K = 12, kBF16 = 30, kMXFP4 = 39 };
+
+constexpr int kMatvecThreads = 128;
+constexpr int kMatvecWarps = kMatvecThreads / DS4_WARP;
+constexpr int kMaxCols = 16;
+constexpr int kMaxPartCols = 8;
+
+// Rows a warp carries at once for NC columns: more rows share each activation load (fewer L1
+// reads per FMA); fewer keep the (rows x columns) accumulators in registers.
+#ifndef DS4_MV_R_NARROW
+#define DS4_MV_R_NARROW 4
+#endif
+#ifndef DS4_MV_R_WIDE
+#define DS4_MV_R_WIDE 2
+#endif
+__host__ __device__ constexpr int rows_per_warp(int nc) { return nc <= 4 ? DS4_MV_R_NARROW : DS4_MV_R_WIDE; }
+
+// --- units: what one lane loads and decodes at a time ----------------------------------------
+// Each Unit<T> gives: kElems (elements per unit), kGroups (groups of 4 elements), Raw (the
+// loaded bytes), load(raw, row, u), decode(raw, g, w[4]) and k_of(u, g), the row index of the
+// first of the 4 elements of group g (elements of a group are consecutive in k).
+
+template <int T>
+struct Unit;
+
+template <>
+struct Unit<kF32> {
+  static constexpr int kElems = 8, kGroups = 2;
+  struct Raw {
+    float4 v[2];
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    const float4* p = reinterpret_cast<const float4*>(row) + 2 * u;
+    r.v[0] = ds4_ldg(p);
+    r.v[1] = ds4_ldg(p + 1);
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    w[0] = r.v[g].x;
+    w[1] = r.v[g].y;
+    w[2] = r.v[g].z;
+    w[3] = r.v[g].w;
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) { return 8 * u + 4 * g; }
+};
+
+template <>
+struct Unit<kF16> {
+  static constexpr int kElems = 8, kGroups = 2;
+  struct Raw {
+    uint4 v;
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    r.v = ds4_ldg(reinterpret_cast<const uint4*>(row) + u);
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    const uint32_t a = g == 0 ? r.v.x : r.v.z, b = g == 0 ? r.v.y : r.v.w;
+    w[0] = half_bits_to_float(a & 0xffffu);
+    w[1] = half_bits_to_float(a >> 16);
+    w[2] = half_bits_to_float(b & 0xffffu);
+    w[3] = half_bits_to_float(b >> 16);
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) { return 8 * u + 4 * g; }
+};
+
+template <>
+struct Unit<kBF16> {
+  static constexpr int kElems = 8, kGroups = 2;
+  struct Raw {
+    uint4 v;
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    r.v = ds4_ldg(reinterpret_cast<const uint4*>(row) + u);
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    const uint32_t a = g == 0 ? r.v.x : r.v.z, b = g == 0 ? r.v.y : r.v.w;
+    w[0] = ds4_bits_to_float(a << 16);
+    w[1] = ds4_bits_to_float(a & 0xffff0000u);
+    w[2] = ds4_bits_to_float(b << 16);
+    w[3] = ds4_bits_to_float(b & 0xffff0000u);
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) { return 8 * u + 4 * g; }
+};
+
+// Zero weights and their sign: Q8_0 q = 0 under a negative d decodes to +0.0 (the CPU: -0.0) and
+// MXFP4 code 8 to -0.0 (the CPU: +0.0). Every other value is bit-identical to the CPU's; a sum
+// can tell the two zeros apart only in the sign of an exactly zero result.
+
+// Q8_0: 34-byte blocks (2-byte aligned only), one block per unit, read as 17 halfwords.
+template <>
+struct Unit<kQ8_0> {
+  static constexpr int kElems = 32, kGroups = 8;
+  struct Raw {
+    float d_256, neg_32896_d;
+    uint32_t q[8];  // the int8 values XOR 0x80 (biased to 0..255), four per word
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    const unsigned short* p = reinterpret_cast<const unsigned short*>(row + 34 * u);
+    const float d = half_bits_to_float(ds4_ldg(p));
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      const uint32_t lo = ds4_ldg(p + 1 + 2 * i), hi = static_cast<uint32_t>(ds4_ldg(p + 2 + 2 * i));
+      r.q[i] = (lo | (hi << 16)) ^ 0x80808080u;
+    }
+    r.d_256 = d * 0.00390625f;
+    r.neg_32896_d = d * -32896.0f;
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    w[0] = q8_times<0>(r.q[g], r.d_256, r.neg_32896_d);
+    w[1] = q8_times<1>(r.q[g], r.d_256, r.neg_32896_d);
+    w[2] = q8_times<2>(r.q[g], r.d_256, r.neg_32896_d);
+    w[3] = q8_times<3>(r.q[g], r.d_256, r.neg_32896_d);
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) { return 32 * u + 4 * g; }
+};
+
+// Q4_K: 144-byte blocks of 256. Unit (c, h) of a block = the 16 quant bytes
+// qs[32c + 16h .. +16): their low nibbles are elements 64c + 16h + i of sub-block 2c, their high
+// nibbles elements 64c + 32 + 16h + i of sub-block 2c+1. Eight units per block.
+template <>
+struct Unit<kQ4_K> {
+  static constexpr int kElems = 32, kGroups = 8;
+  struct Raw {
+    uint4 qs;
+    float dl0, ml0, dl1, ml1;
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    const uint8_t* blk = row + 144 * (u >> 3);
+    const int c = static_cast<int>(u >> 1) & 3, h = static_cast<int>(u) & 1;
+    const uint32_t* bw = reinterpret_cast<const uint32_t*>(blk);
+    const uint32_t dd = ds4_ldg(bw);
+    const uint32_t s0 = ds4_ldg(bw + 1), s1 = ds4_ldg(bw + 2), s2 = ds4_ldg(bw + 3);
+    r.qs = ds4_ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * c + 16 * h));
+    const float d = half_bits_to_float(dd & 0xffffu), dmin = half_bits_to_float(dd >> 16);
+    float sc, m;
+    q4k_scale_min(s0, s1, s2, 2 * c, &sc, &m);
+    r.dl0 = d * sc;
+    r.ml0 = dmin * m;
+    q4k_scale_min(s0, s1, s2, 2 * c + 1, &sc, &m);
+    r.dl1 = d * sc;
+    r.ml1 = dmin * m;
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    const uint32_t word = (g & 3) == 0 ? r.qs.x : (g & 3) == 1 ? r.qs.y : (g & 3) == 2 ? r.qs.z : r.qs.w;
+    const uint32_t nib = g < 4 ? (word & 0x0f0f0f0fu) : ((word >> 4) & 0x0f0f0f0fu);
+    const float dl = g < 4 ? r.dl0 : r.dl1, nml = g < 4 ? -r.ml0 : -r.ml1;
+    w[0] = fmaf(dl, byte_to_float<0>(nib), nml);
+    w[1] = fmaf(dl, byte_to_float<1>(nib), nml);
+    w[2] = fmaf(dl, byte_to_float<2>(nib), nml);
+    w[3] = fmaf(dl, byte_to_float<3>(nib), nml);
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) {
+    const int c = static_cast<int>(u >> 1) & 3, h = static_cast<int>(u) & 1;
+    return 256 * (u >> 3) + 64 * c + 16 * h + (g < 4 ? 4 * g : 32 + 4 * (g - 4));
+  }
+};
+
+// MXFP4: 17-byte blocks (byte aligned), one block per unit: E8M0 scale byte, then 16 bytes whose
+// low nibbles are elements 0..15 and high nibbles elements 16..31.
+template <>
+struct Unit<kMXFP4> {
+  static constexpr int kElems = 32, kGroups = 8;
+  struct Raw {
+    float d;
+    uint32_t q[16];  // one byte per register
+  };
+  DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
+    const uint8_t* p = row + 17 * u;
+    r.d = e8m0_half(ds4_ldg(p));
+#pragma unroll
+    for (int i = 0; i < 16; ++i) r.q[i] = ds4_ldg(p + 1 + i);
+  }
+  DS4_HD static void decode(const Raw& r, int g, float w[4]) {
+    // kvalue * 2^-127 * 2^127 is exact, and so is its product with the power-of-two scale.
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint32_t b = r.q[4 * (g & 3) + i];
+      const uint32_t code = g < 4 ? (b & 15u) : (b >> 4);
+      w[i] = (mxfp4_scaled(code) * 1.7014118346046923e38f) * r.d;  // 2^127
+    }
+  }
+  DS4_HD static int64_t k_of(int64_t u, int g) { return 32 * u + (g < 4 ? 4 * g : 16 + 4 * (g - 4)); }
+};
+
+// K-slices for a matrix shape: a function of the shape alone (never of the column count), so
+// the reduction tree of a row is fixed for the matrix.
+__host__ __device__ constexpr int matvec_kslices(int64_t rows, int64_t units) {
+  return (rows >= 8192 || units < 64) ? 1 : (rows >= 2048 || units < 128) ? 2 : 4;
+}
+
+// Rows covered by one block for NC columns and KS k-slices.
+__host__ __device__ constexpr int64_t matvec_block_rows(int nc, int ks) {
+  return static_cast<int64_t>(rows_per_warp(nc)) * (kMatvecWarps / ks);
+}
+
+// One block's share: rows [r0, r0 + R) of its row group, NC columns. xoff/yoff: the element
+// offsets of column c in X and Y. part: shared scratch of kMatvecWarps * R * NC floats.
+template <int T, int NC, int R, class XOff, class YOff>
+__device__ __forceinline__ void matvec_block(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows,
+                                             int64_t units, int ks, int64_t block_first_row,
+                                             const float* __restrict__ X, XOff xoff, float* __restrict__ Y, YOff yoff,
+                                             float* part) {
+  using U = Unit<T>;
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int group = warp / ks, slice = warp % ks;
+  const int64_t r0 = block_first_row + static_cast<int64_t>(group) * R;
+
+  float acc[R][NC];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+
+  // Rows past the end re-read the last row (valid memory); their sums are never stored.
+  const uint8_t* rowp[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) rowp[r] = W + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes;
+
+  for (int64_t u = static_cast<int64_t>(slice) * DS4_WARP + lane; u < units; u += static_cast<int64_t>(ks) * DS4_WARP) {
+    typename U::Raw raw[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) U::load(raw[r], rowp[r], u);
+#pragma unroll
+    for (int g = 0; g < U::kGroups; ++g) {
+      float w[R][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) U::decode(raw[r], g, w[r]);
+      const int64_t k = U::k_of(u, g);
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        const float4 xv = ds4_ldg(reinterpret_cast<const float4*>(X + xoff(c) + k));
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          acc[r][c] = fmaf(w[r][0], xv.x, acc[r][c]);
+          acc[r][c] = fmaf(w[r][1], xv.y, acc[r][c]);
+          acc[r][c] = fmaf(w[r][2], xv.z, acc[r][c]);
+          acc[r][c] = fmaf(w[r][3], xv.w, acc[r][c]);
+        }
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) acc[r][c] = warp_sum(acc[r][c]);
+
+  if (ks == 1) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) Y[yoff(c) + r0 + r] = acc[r][c];
+    return;
+  }
+  if (lane == 0) {
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) part[(warp * R + r) * NC + c] = acc[r][c];
+  }
+  __syncthreads();
+  if (slice == 0) {
+    const int base = group * ks;
+    for (int i = lane; i < R * NC; i += DS4_WARP) {
+      const int r = i / NC, c = i % NC;
+      float s;
+      if (ks == 2) {
+        s = part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c];
+      } else {
+        s = (part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c]) +
+            (part[((base + 2) * R + r) * NC + c] + part[((base + 3) * R + r) * NC + c]);
+      }
+      if (r0 + r < rows) Y[yoff(c) + r0 + r] = s;
+    }
+  }
+}
+
+struct DenseOff {
+  int64_t ld;
+  __device__ int64_t operator()(int c) const { return static_cast<int64_t>(c) * ld; }
+};
+
+template <int T, int NC>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
+                        const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy) {
+  constexpr int R = rows_per_warp(NC);
+  __shared__ float part[kMatvecWarps * R * NC];
+  matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks), X,
+                         DenseOff{ldx}, Y, DenseOff{ldy}, part);
+}
+
+// A part of the expert-grouped product: pairs [first, first + count) of the pair list all use
+// expert `expert`; count <= kMaxPartCols.
+struct ExpertPartDev {
+  int32_t expert, first, count;
+};
+
+struct GatherOff {
+  const int32_t* idx;  // shared copy of the part's X rows (pair lanes) or Y rows (pair ids)
+  int64_t ld;
+  __device__ int64_t operator()(int c) const { return static_cast<int64_t>(idx[c]) * ld; }
+};
+
+// Expert-grouped product: block (x, p) computes row block x of part p: for each pair id j of the
+// part (sorted_pairs[first..first+count)), Y[j] = W[expert] . X[x_row[j]] (x_row null: X[j]). Parts past *n_parts exit (the grid is sized for the
+// most parts the step can have, so a captured graph stays valid whatever the routing was).
+template <int T, int NC>
+__device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_bytes, int64_t rows, int64_t units, int ks,
+                                             const float* X, const int32_t* lanes, int64_t ldx, float* Y,
+                                             const int32_t* ids, int64_t ldy, float* part) {
+  constexpr int R = rows_per_warp(NC);
+  matvec_block<T, NC, R>(We, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks),
+                         X, GatherOff{lanes, ldx}, Y, GatherOff{ids, ldy}, part);
+}
+
+template <int T>
+__global__ void __launch_bounds__(kMatvecThreads)
+    matvec_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int64_t rows,
+                          int64_t units, int ks, const ExpertPartDev* __restrict__ parts,
+                          const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
+                          const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
+                          float* __restrict__ Y, int64_t ldy) {
+  constexpr int R1 = rows_per_warp(1) > rows_per_warp(kMaxPartCols) ? rows_per_warp(1) : rows_per_warp(kMaxPartCols);
+  __shared__ float part[kMatvecWarps * R1 * kMaxPartCols];
+  __shared__ int32_t lanes[kMaxPartCols], ids[kMaxPartCols];
+  const int p = static_cast<int>(blockIdx.y);
+  if (p >= *n_parts) return;
+  const ExpertPartDev pt = parts[p];
+  const int64_t block_rows = matvec_block_rows(pt.count, ks);
+  if (static_cast<int64_t>(blockIdx.x) * block_rows >= rows) return;  // narrow parts need fewer blocks
+  if (threadIdx.x < kMaxPartCols) {
+    const int c = static_cast<int>(threadIdx.x);
+    const int32_t pair = c < pt.count ? sorted_pairs[pt.first + c] : 0;
+    ids[c] = pair;
+    lanes[c] = x_row != nullptr ? x_row[pair] : pair;
+  }
+  __syncthreads();
+  const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
+  switch (pt.count) {
+    case 1: grouped_part<T, 1>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 2: grouped_part<T, 2>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 3: grouped_part<T, 3>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 4: grouped_part<T, 4>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 5: grouped_part<T, 5>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 6: grouped_part<T, 6>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 7: grouped_part<T, 7>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    case 8: grouped_part<T, 8>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
+    default: break;
+  }
+}
+
+}  // namespace ds4::gpu

@@ -1,0 +1,373 @@
+// The small per-lane operations of a DS4 step on the GPU, each the CPU operation of
+// ext/engine/ops.cpp / attention.cpp with a fixed, lane-local order of arithmetic (a lane's
+// result never depends on the other lanes of the launch).
+//
+// rms_norm        one block (256 threads) per row; sum of squares in double (strided per thread,
+//                 then the butterfly and a fixed 8-warp tree); y = (x * r) * w as the CPU rounds
+//                 it. Bytes: 8 per element (read x, write y) + 4 for w.
+// embed_rows      one block (128 threads) per token: the row is decoded with matvec.cuh's units,
+//                 so every value equals the CPU dequantizer's. Bytes: one row in, 4 * K out.
+// rope_tail       one block (128 threads) per row: cos/sin of pos * inv_freq in double, rounded
+//                 once to float (as RopeTable::init), then x0*c - x1*s, x0*s + x1*c per pair.
+//                 Bytes: 8 per rotated element.
+// attention_sink  block (head group, lane): HB heads (4, 2 or 1: what the logits fit in shared
+//                 memory) x 256 threads. Phase 1: warps take keys in turn, lanes split head_dim
+//                 in 8-element chunks (16-byte f16 loads), butterfly per head. Phase 2: per head,
+//                 max with the sink, exp, sum (fixed tree), p = e * (1/den). Phase 3: thread t owns
+//                 elements 2t, 2t+1 and sums p_j * k_j over j in order (mul, then add, as the
+//                 CPU). Bytes: the lane's key rows twice per head group (from L2 after the first).
+// argmax_rows     one block (1024 threads) per row; (value, index) reduction, first index on ties,
+//                 NaN largest (numpy's argmax). Bytes: 4 per element.
+#include <algorithm>
+#include <cmath>
+#include <string>
+
+#include "ds4_gpu.h"
+#include "matvec.cuh"
+
+namespace ds4::gpu {
+
+namespace {
+
+// --- RMSNorm ----------------------------------------------------------------------------------
+
+constexpr int kNormThreads = 256;
+
+__global__ void __launch_bounds__(kNormThreads)
+    rms_norm_kernel(const float* __restrict__ X, int64_t ldx, const float* __restrict__ w, float* __restrict__ Y,
+                    int64_t ldy, int64_t n, float eps) {
+  __shared__ double part[kNormThreads / DS4_WARP];
+  __shared__ float r_shared;
+  const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
+  float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
+  double ss = 0.0;
+  for (int64_t i = threadIdx.x; i < n; i += kNormThreads) ss += static_cast<double>(x[i]) * x[i];
+  ss = warp_sum(ss);
+  if (threadIdx.x % DS4_WARP == 0) part[threadIdx.x / DS4_WARP] = ss;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    const double t = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+    r_shared = static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(eps)));
+  }
+  __syncthreads();
+  const float r = r_shared;
+  for (int64_t i = threadIdx.x; i < n; i += kNormThreads) y[i] = w ? (x[i] * r) * w[i] : x[i] * r;
+}
+static_assert(kNormThreads / DS4_WARP == 8, "rms_norm's final tree is written for 8 warps");
+
+// --- embedding --------------------------------------------------------------------------------
+
+template <int T>
+__global__ void __launch_bounds__(128)
+    embed_kernel(const uint8_t* __restrict__ E, int64_t row_bytes, int64_t units, int64_t n_vocab,
+                 const int32_t* __restrict__ tokens, float* __restrict__ Y, int64_t ldy) {
+  using U = Unit<T>;
+  const int32_t tok = tokens[blockIdx.x];
+  float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
+  if (tok < 0 || tok >= n_vocab) {  // a bad id never reads outside the table: the row becomes NaN
+    for (int64_t i = threadIdx.x; i < units * U::kElems; i += blockDim.x) y[i] = __int_as_float(0x7fc00000);
+    return;
+  }
+  const uint8_t* row = E + static_cast<int64_t>(tok) * row_bytes;
+  for (int64_t u = threadIdx.x; u < units; u += blockDim.x) {
+    typename U::Raw raw;
+    U::load(raw, row, u);
+#pragma unroll
+    for (int g = 0; g < U::kGroups; ++g) {
+      float w[4];
+      U::decode(raw, g, w);
+      const int64_t k = U::k_of(u, g);
+      y[k] = w[0];
+      y[k + 1] = w[1];
+      y[k + 2] = w[2];
+      y[k + 3] = w[3];
+    }
+  }
+}
+
+// --- tail RoPE --------------------------------------------------------------------------------
+
+constexpr int kMaxRopeHalf = 256;
+
+__global__ void __launch_bounds__(128)
+    rope_tail_kernel(float* __restrict__ X, int n_heads, int64_t row_stride, int head_dim, int rope_dim,
+                     const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int inverse) {
+  __shared__ float cs[kMaxRopeHalf], sn[kMaxRopeHalf];
+  const int half = rope_dim / 2;
+  const double p = static_cast<double>(pos[blockIdx.x]);
+  for (int k = threadIdx.x; k < half; k += blockDim.x) {
+    double s, c;
+    sincos(p * inv_freq[k], &s, &c);
+    cs[k] = static_cast<float>(c);
+    sn[k] = inverse ? -static_cast<float>(s) : static_cast<float>(s);
+  }
+  __syncthreads();
+  float* row = X + static_cast<int64_t>(blockIdx.x) * row_stride + (head_dim - rope_dim);
+  for (int i = threadIdx.x; i < n_heads * half; i += blockDim.x) {
+    const int h = i / half, k = i % half;
+    float* t = row + static_cast<int64_t>(h) * head_dim + 2 * k;
+    const float x0 = t[0], x1 = t[1];
+    t[0] = x0 * cs[k] - x1 * sn[k];
+    t[1] = x0 * sn[k] + x1 * cs[k];
+  }
+}
+
+// --- attention with the sink column -------------------------------------------------------------
+
+constexpr int kAttnThreads = 256;
+constexpr int kAttnWarps = kAttnThreads / DS4_WARP;
+constexpr int kAttnMaxDim = 512;  // head_dim limit: 2 chunks of 8 per lane, 1 element pair per thread
+
+__device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
+  const uint4 v = ds4_ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = half_bits_to_float(w[i] & 0xffffu);
+    f[2 * i + 1] = half_bits_to_float(w[i] >> 16);
+  }
+}
+
+__device__ __forceinline__ float warp_max(float v) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) v = fmaxf(v, ds4_shfl_xor(v, m));
+  return v;
+}
+
+template <int HB>
+__global__ void __launch_bounds__(kAttnThreads)
+    attention_sink_kernel(const float* __restrict__ q, const uint16_t* __restrict__ kv,
+                          const int32_t* __restrict__ key_rows, const int32_t* __restrict__ key_off, int n_head,
+                          int head_dim, const float* __restrict__ sinks, float scale, int max_keys,
+                          float* __restrict__ out) {
+  extern __shared__ float lg[];  // [HB][max_keys]: logits, then probabilities
+  constexpr int CH = kAttnMaxDim / 8 / DS4_WARP;
+  const int li = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.x) * HB;
+  const int nh = min(HB, n_head - h0);
+  const int j0 = key_off[li];
+  const int n = min(key_off[li + 1] - j0, max_keys);  // the launcher's bound keeps shared memory safe
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int chunks = head_dim / 8;
+
+  // Phase 1: logits. Lane l holds chunks l and l + 32 of each head's query.
+  float qr[HB][CH][8];
+#pragma unroll
+  for (int h = 0; h < HB; ++h)
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const int c = lane + DS4_WARP * j;
+#pragma unroll
+      for (int e = 0; e < 8; ++e)
+        qr[h][j][e] = (h < nh && c < chunks)
+                          ? q[(static_cast<int64_t>(li) * n_head + h0 + h) * head_dim + 8 * c + e]
+                          : 0.0f;
+    }
+  for (int i = warp; i < n; i += kAttnWarps) {
+    const uint16_t* row = kv + static_cast<int64_t>(key_rows[j0 + i]) * head_dim;
+    float kf[CH][8];
+#pragma unroll
+    for (int j = 0; j < CH; ++j)
+      if (lane + DS4_WARP * j < chunks) load_f16x8(row + 8 * (lane + DS4_WARP * j), kf[j]);
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < CH; ++j)
+        if (lane + DS4_WARP * j < chunks) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s = fmaf(qr[h][j][e], kf[j][e], s);
+        }
+      s = warp_sum(s);
+      if (lane == 0 && h < nh) lg[h * max_keys + i] = s * scale;
+    }
+  }
+  __syncthreads();
+
+  // Phase 2: softmax with the sink in the denominator, one warp per head.
+  if (warp < nh) {
+    float* l = lg + warp * max_keys;
+    const float sink = sinks[h0 + warp];
+    float mx = sink;
+    for (int i = lane; i < n; i += DS4_WARP) mx = fmaxf(mx, l[i]);
+    mx = warp_max(mx);
+    float part = 0.0f;
+    for (int i = lane; i < n; i += DS4_WARP) {
+      const float e = expf(l[i] - mx);
+      l[i] = e;
+      part += e;
+    }
+    const float den = expf(sink - mx) + warp_sum(part);
+    const float inv = 1.0f / den;
+    for (int i = lane; i < n; i += DS4_WARP) l[i] *= inv;
+  }
+  __syncthreads();
+
+  // Phase 3: out = sum_j p_j k_j, in key order for every element.
+  const int pairs = head_dim / 2;
+  for (int e2 = static_cast<int>(threadIdx.x); e2 < pairs; e2 += kAttnThreads) {
+    float o[HB][2];
+#pragma unroll
+    for (int h = 0; h < HB; ++h) o[h][0] = o[h][1] = 0.0f;
+    for (int i = 0; i < n; ++i) {
+      const uint32_t kk =
+          ds4_ldg(reinterpret_cast<const uint32_t*>(kv + static_cast<int64_t>(key_rows[j0 + i]) * head_dim) + e2);
+      const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        const float p = lg[h * max_keys + i];
+        o[h][0] += p * k0;
+        o[h][1] += p * k1;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < HB; ++h)
+      if (h < nh) {
+        float* dst = out + (static_cast<int64_t>(li) * n_head + h0 + h) * head_dim + 2 * e2;
+        dst[0] = o[h][0];
+        dst[1] = o[h][1];
+      }
+  }
+}
+
+// --- argmax -------------------------------------------------------------------------------------
+
+constexpr int kArgmaxThreads = 1024;
+
+// Whether (a, ia) comes before (b, ib): larger value, NaN largest, then the smaller index.
+__device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
+  const bool an = isnan(a), bn = isnan(b);
+  if (an || bn) return an && (!bn || ia < ib);
+  return a > b || (a == b && ia < ib);
+}
+
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_kernel(const float* __restrict__ X, int64_t ldx, int64_t n, int32_t* __restrict__ out) {
+  __shared__ float bv[kArgmaxThreads / DS4_WARP];
+  __shared__ int bi[kArgmaxThreads / DS4_WARP];
+  const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
+  float v = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int64_t i = threadIdx.x; i < n; i += kArgmaxThreads) {
+    const float xi = x[i];
+    if (better(xi, static_cast<int>(i), v, idx)) {
+      v = xi;
+      idx = static_cast<int>(i);
+    }
+  }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+    const float ov = ds4_shfl_xor(v, m);
+    const int oi = ds4_shfl_xor(idx, m);
+    if (better(ov, oi, v, idx)) {
+      v = ov;
+      idx = oi;
+    }
+  }
+  if (threadIdx.x % DS4_WARP == 0) {
+    bv[threadIdx.x / DS4_WARP] = v;
+    bi[threadIdx.x / DS4_WARP] = idx;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kArgmaxThreads / DS4_WARP; ++w)
+      if (better(bv[w], bi[w], v, idx)) {
+        v = bv[w];
+        idx = bi[w];
+      }
+    out[blockIdx.x] = idx;
+  }
+}
+
+int smem_optin_limit() {
+  int dev = 0, bytes = 0;
+  DS4_GPU_CHECK(cudaGetDevice(&dev));
+  DS4_GPU_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+  return bytes;
+}
+
+template <int HB>
+void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_rows, const int32_t* key_off, int n_lanes,
+                      int n_head, int head_dim, const float* sinks, int max_keys, float* out, size_t smem,
+                      cudaStream_t s) {
+  if (smem > 48 * 1024)
+    DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_sink_kernel<HB>),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                       static_cast<int>(smem)));
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  const dim3 grid(static_cast<unsigned>((n_head + HB - 1) / HB), static_cast<unsigned>(n_lanes));
+  attention_sink_kernel<HB><<<grid, kAttnThreads, smem, s>>>(q, kv, key_rows, key_off, n_head, head_dim, sinks, scale,
+                                                             max_keys, out);
+}
+
+}  // namespace
+
+void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy, int n_rows, int64_t n, float eps,
+              Stream stream) {
+  if (n_rows < 0 || n <= 0) throw std::invalid_argument("GPU rms_norm: need n_rows >= 0 and n > 0");
+  if (n_rows == 0) return;
+  rms_norm_kernel<<<n_rows, kNormThreads, 0, static_cast<cudaStream_t>(stream)>>>(X, ldx, w, Y, ldy, n, eps);
+  DS4_GPU_CHECK_LAUNCH("rms_norm_kernel");
+}
+
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream) {
+  if (n < 0) throw std::invalid_argument("GPU embed_rows: negative token count");
+  const int64_t K = E.ne[0];
+  const int64_t need = E.type == DType::Q4_K ? 256 : (E.type == DType::Q8_0 || E.type == DType::MXFP4) ? 32 : 8;
+  if (K % need != 0)
+    throw std::invalid_argument("GPU embed_rows: row width " + std::to_string(K) + " of a " + dtype_name(E.type) +
+                                " table is not a multiple of " + std::to_string(need));
+  if (n == 0) return;
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  const int64_t rb = E.row_bytes(), rows = E.ne[1];
+  switch (E.type) {
+    case DType::F32: embed_kernel<kF32><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::F16: embed_kernel<kF16><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::BF16: embed_kernel<kBF16><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::Q8_0: embed_kernel<kQ8_0><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::Q4_K: embed_kernel<kQ4_K><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::MXFP4: embed_kernel<kMXFP4><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    default: throw std::invalid_argument(std::string("GPU embed_rows: unsupported table type ") + dtype_name(E.type));
+  }
+  DS4_GPU_CHECK_LAUNCH("embed_kernel");
+}
+
+void rope_tail(float* X, int n_rows, int n_heads, int64_t row_stride, int head_dim, int rope_dim, const int32_t* pos,
+               const double* inv_freq, bool inverse, Stream stream) {
+  if (rope_dim <= 0 || rope_dim % 2 != 0 || rope_dim > head_dim || rope_dim / 2 > kMaxRopeHalf)
+    throw std::invalid_argument("GPU rope_tail: rope_dim must be even, positive, at most head_dim and 512");
+  if (n_rows <= 0 || n_heads <= 0) return;
+  rope_tail_kernel<<<n_rows, 128, 0, static_cast<cudaStream_t>(stream)>>>(X, n_heads, row_stride, head_dim, rope_dim,
+                                                                          pos, inv_freq, inverse ? 1 : 0);
+  DS4_GPU_CHECK_LAUNCH("rope_tail_kernel");
+}
+
+void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows, const int32_t* key_off, int n_lanes,
+                    int n_head, int head_dim, const float* sinks, int max_keys, float* out, Stream stream) {
+  if (head_dim <= 0 || head_dim % 8 != 0 || head_dim > kAttnMaxDim)
+    throw std::invalid_argument("GPU attention: head_dim must be a multiple of 8, at most 512");
+  if (max_keys < 0 || n_head <= 0) throw std::invalid_argument("GPU attention: bad max_keys or n_head");
+  if (n_lanes <= 0) return;
+  const int limit = smem_optin_limit();
+  const size_t per_head = static_cast<size_t>(std::max(max_keys, 1)) * sizeof(float);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The head group size only changes how many heads share a block, never a head's arithmetic.
+  if (4 * per_head <= static_cast<size_t>(limit) && n_head >= 4)
+    launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, 4 * per_head, s);
+  else if (2 * per_head <= static_cast<size_t>(limit) && n_head >= 2)
+    launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, 2 * per_head, s);
+  else if (per_head <= static_cast<size_t>(limit))
+    launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, per_head, s);
+  else
+    throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
+                                " keys per lane do not fit this device's shared memory");
+  DS4_GPU_CHECK_LAUNCH("attention_sink_kernel");
+}
+
+void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream) {
+  if (n <= 0 || n > 0x7fffffff) throw std::invalid_argument("GPU argmax: need 0 < n < 2^31");
+  if (n_rows <= 0) return;
+  argmax_kernel<<<n_rows, kArgmaxThreads, 0, static_cast<cudaStream_t>(stream)>>>(X, ldx, n, out);
+  DS4_GPU_CHECK_LAUNCH("argmax_kernel");
+}
+
+}  // namespace ds4::gpu

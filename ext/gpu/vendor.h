@@ -1,0 +1,161 @@
+// The one vendor header of the GPU backend: every ext/gpu source includes this instead of
+// cuda_runtime.h or hip_runtime.h, and is written in CUDA spelling. Compiled by nvcc the names
+// are CUDA's own; compiled as HIP (hipcc, or CMake's LANGUAGE HIP) the CUDA runtime names used
+// here are mapped to their HIP equivalents, as ggml's ggml-cuda/vendors/hip.h does. No kernel is
+// ever forked per vendor: where the two differ (warp shuffles, architecture features) this
+// header gives one spelling (ds4_shfl_xor, DS4_WARP) and the kernels use only that.
+//
+// Numerics (both vendors): builds pass -fmad=false (nvcc) / -ffp-contract=off (clang), so
+// a*b+c is never silently fused; kernels write fmaf() where they mean a fused multiply-add. The
+// clang pragma below keeps that true for HIP even when a build forgets the flag.
+//
+// Architecture macros (device compilation only):
+//   DS4_ARCH_HOPPER  sm_90 (H100/H200)        DS4_ARCH_RDNA3  gfx11xx (gfx1151 Strix Halo)
+//   DS4_ARCH_RDNA4   gfx12xx (gfx1201 R9700)   DS4_ARCH_RDNA2  gfx103x (the CI compile target)
+//   DS4_ARCH_CDNA    gfx9xx (wave64 hardware; the kernels still use 32-lane logical warps)
+#pragma once
+
+#include <cstdint>
+
+#if defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIP__)
+#define DS4_HIP 1
+#include <hip/hip_runtime.h>
+#include <hip/hip_fp16.h>
+#pragma clang fp contract(off)
+
+#define cudaError_t hipError_t
+#define cudaSuccess hipSuccess
+#define cudaGetErrorString hipGetErrorString
+#define cudaGetLastError hipGetLastError
+#define cudaPeekAtLastError hipPeekAtLastError
+#define cudaGetDeviceCount hipGetDeviceCount
+#define cudaGetDevice hipGetDevice
+#define cudaSetDevice hipSetDevice
+#define cudaDeviceProp hipDeviceProp_t
+#define cudaGetDeviceProperties hipGetDeviceProperties
+#define cudaDeviceGetAttribute hipDeviceGetAttribute
+#define cudaDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeSharedMemPerBlockOptin
+#define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaFuncSetAttribute hipFuncSetAttribute
+#define cudaFuncAttributeMaxDynamicSharedMemorySize hipFuncAttributeMaxDynamicSharedMemorySize
+#define cudaDeviceSynchronize hipDeviceSynchronize
+#define cudaMalloc hipMalloc
+#define cudaFree hipFree
+#define cudaMallocHost(ptr, size) hipHostMalloc(ptr, size, hipHostMallocDefault)
+#define cudaFreeHost hipHostFree
+#define cudaMemcpy hipMemcpy
+#define cudaMemcpyAsync hipMemcpyAsync
+#define cudaMemset hipMemset
+#define cudaMemsetAsync hipMemsetAsync
+#define cudaMemcpyKind hipMemcpyKind
+#define cudaMemcpyHostToDevice hipMemcpyHostToDevice
+#define cudaMemcpyDeviceToHost hipMemcpyDeviceToHost
+#define cudaMemcpyDeviceToDevice hipMemcpyDeviceToDevice
+#define cudaStream_t hipStream_t
+#define cudaStreamCreate hipStreamCreate
+#define cudaStreamDestroy hipStreamDestroy
+#define cudaStreamSynchronize hipStreamSynchronize
+#define cudaEvent_t hipEvent_t
+#define cudaEventCreate hipEventCreate
+#define cudaEventDestroy hipEventDestroy
+#define cudaEventRecord hipEventRecord
+#define cudaEventSynchronize hipEventSynchronize
+#define cudaEventElapsedTime hipEventElapsedTime
+#define cudaGraph_t hipGraph_t
+#define cudaGraphExec_t hipGraphExec_t
+#define cudaStreamBeginCapture hipStreamBeginCapture
+#define cudaStreamEndCapture hipStreamEndCapture
+#define cudaStreamCaptureModeGlobal hipStreamCaptureModeGlobal
+#define cudaGraphInstantiate(exec, graph, flags) hipGraphInstantiate(exec, graph, nullptr, nullptr, 0)
+#define cudaGraphLaunch hipGraphLaunch
+#define cudaGraphExecDestroy hipGraphExecDestroy
+#define cudaGraphDestroy hipGraphDestroy
+#define cudaErrorNoDevice hipErrorNoDevice
+
+#if defined(__HIP_DEVICE_COMPILE__)
+#if defined(__gfx1150__) || defined(__gfx1151__) || defined(__gfx1100__) || defined(__gfx1101__) || \
+    defined(__gfx1102__) || defined(__gfx1103__)
+#define DS4_ARCH_RDNA3 1
+#elif defined(__gfx1200__) || defined(__gfx1201__)
+#define DS4_ARCH_RDNA4 1
+#elif defined(__gfx1030__) || defined(__gfx1031__) || defined(__gfx1032__) || defined(__gfx1034__) || \
+    defined(__gfx1035__) || defined(__gfx1036__)
+#define DS4_ARCH_RDNA2 1
+#elif defined(__gfx908__) || defined(__gfx90a__) || defined(__gfx940__) || defined(__gfx941__) || \
+    defined(__gfx942__) || defined(__gfx950__)
+#define DS4_ARCH_CDNA 1
+#endif
+#endif
+
+#else  // CUDA
+#define DS4_CUDA 1
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900 && __CUDA_ARCH__ < 1000
+#define DS4_ARCH_HOPPER 1
+#endif
+#endif
+
+// Logical warp width of every kernel. RDNA runs wave32 natively; on wave64 hardware (CDNA) the
+// shuffles below still reduce within 32-lane halves, so the arithmetic is the same everywhere.
+#define DS4_WARP 32
+
+// Butterfly partner exchange inside a 32-lane group (full-warp participation required).
+template <class T>
+__device__ __forceinline__ T ds4_shfl_xor(T v, int mask) {
+#if defined(DS4_HIP)
+  return __shfl_xor(v, mask, DS4_WARP);
+#else
+  return __shfl_xor_sync(0xffffffffu, v, mask, DS4_WARP);
+#endif
+}
+
+// Host-and-device helpers: the decoders in common.cuh / matvec.cuh are DS4_HD so the harness can
+// run them on the CPU too (ext/gpu/bench/harness.cu --decode checks them without a GPU).
+#define DS4_HD __host__ __device__ __forceinline__
+#if defined(__CUDA_ARCH__) || defined(__HIP_DEVICE_COMPILE__)
+#define DS4_DEVICE_PASS 1
+#endif
+
+// Byte permute (PTX prmt / AMD v_perm through HIP's __byte_perm): result byte i is byte
+// (s >> 4i) & 7 of the 8-byte value {y:x}. The selector's bit 3 (sign replicate) is never used.
+DS4_HD uint32_t ds4_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
+#if defined(DS4_DEVICE_PASS)
+  return __byte_perm(x, y, s);
+#else
+  const uint64_t v = (static_cast<uint64_t>(y) << 32) | x;
+  uint32_t r = 0;
+  for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
+  return r;
+#endif
+}
+
+DS4_HD float ds4_bits_to_float(uint32_t b) {
+#if defined(DS4_DEVICE_PASS)
+  return __uint_as_float(b);
+#else
+  float f;
+  __builtin_memcpy(&f, &b, 4);
+  return f;
+#endif
+}
+
+DS4_HD uint32_t ds4_float_to_bits(float f) {
+#if defined(DS4_DEVICE_PASS)
+  return __float_as_uint(f);
+#else
+  uint32_t b;
+  __builtin_memcpy(&b, &f, 4);
+  return b;
+#endif
+}
+
+// A read-only load (the non-coherent cache path on the device).
+template <class T>
+DS4_HD T ds4_ldg(const T* p) {
+#if defined(DS4_DEVICE_PASS)
+  return __ldg(p);
+#else
+  return *p;
+#endif
+}
