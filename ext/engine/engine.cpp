@@ -470,6 +470,57 @@ void Engine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_tok
 
 void Engine::reset_slot(int slot) { impl_->state.reset_slot(slot); }
 
+SlotStateExport Engine::export_slot_state(int slot, const int32_t* block_table, int max_blocks,
+                                          int64_t n_tokens) const {
+  const Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("export_slot_state: " + msg); };
+  if (slot < 0 || slot >= m.opts.max_slots) fail("slot " + std::to_string(slot) + " out of range");
+  if (n_tokens < 0 || n_tokens > m.opts.max_ctx) fail("n_tokens " + std::to_string(n_tokens) + " outside 0..max_ctx");
+  if (max_blocks < 0) fail("negative max_blocks");
+  // The physical page of logical page lp, checked against the table and the pool.
+  auto page = [&](int64_t lp) {
+    const int32_t p = lp < max_blocks ? block_table[lp] : -1;
+    if (p < 0 || p >= m.opts.n_pages)
+      fail("logical page " + std::to_string(lp) + " maps to " + std::to_string(p) + ", not a page of the pool");
+    return static_cast<int>(p);
+  };
+  const int64_t hd = c.head_dim, ihd = c.index_head_dim;
+  SlotStateExport out;
+  out.ring.resize(c.n_layer);
+  out.comp.resize(c.n_layer);
+  out.index.resize(c.n_layer);
+  out.attn_kv.resize(c.n_layer);
+  out.attn_score.resize(c.n_layer);
+  out.index_kv.resize(c.n_layer);
+  out.index_score.resize(c.n_layer);
+  auto copy_state = [](const CompressorState& st, std::vector<float>& kv, std::vector<float>& score) {
+    const int64_t n = static_cast<int64_t>(st.rows) * st.width;
+    kv.assign(st.kv, st.kv + n);
+    score.assign(st.score, st.score + n);
+  };
+  for (int l = 0; l < c.n_layer; ++l) {
+    const uint16_t* ring = m.state.ring_row(l, slot, 0);
+    out.ring[l].assign(ring, ring + kRingRows * hd);
+    const int ratio = c.compress_ratios[l];
+    if (ratio == 0) continue;
+    const int64_t n_rows = n_tokens / ratio;
+    out.comp[l].resize(n_rows * hd);
+    if (ratio == 4) out.index[l].resize(n_rows * ihd);
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const int64_t start = j * ratio;
+      const int p = page(start / kPageTokens);
+      const int r = static_cast<int>((start % kPageTokens) / ratio);
+      std::copy(m.state.comp_row(l, p, r), m.state.comp_row(l, p, r) + hd, out.comp[l].begin() + j * hd);
+      if (ratio == 4)
+        std::copy(m.state.index_row(l, p, r), m.state.index_row(l, p, r) + ihd, out.index[l].begin() + j * ihd);
+    }
+    copy_state(m.state.attn_state(l, slot), out.attn_kv[l], out.attn_score[l]);
+    if (ratio == 4) copy_state(m.state.index_state(l, slot), out.index_kv[l], out.index_score[l]);
+  }
+  return out;
+}
+
 std::vector<std::pair<std::string, uint64_t>> Engine::allocated_bytes() const {
   const Impl& m = *impl_;
   return {

@@ -44,6 +44,16 @@ struct WeightEntry {
   uint64_t offset = 0;
 };
 
+// A copy of one slot's sequence state, for tests (Engine::export_slot_state). Per layer l:
+// ring[l]: 128 x head_dim f16 bits (row = position mod 128); comp[l]: the n_tokens / ratio
+// compressed rows visible after n_tokens tokens, in entry order (head_dim f16 each); index[l]:
+// the CSA indexer rows likewise (index_head_dim each); attn_kv/attn_score and index_kv/index_score:
+// the fp32 compressor states, rows x width row-major (empty where the layer has none).
+struct SlotStateExport {
+  std::vector<std::vector<uint16_t>> ring, comp, index;
+  std::vector<std::vector<float>> attn_kv, attn_score, index_kv, index_score;
+};
+
 struct EngineOptions {
   int max_slots = 1;
   int max_ctx = 4096;
@@ -69,6 +79,11 @@ class Engine {
 
   // Forget everything a slot held (ring, compressor state) so a new sequence starts clean.
   void reset_slot(int slot);
+
+  // Testing hook, read-only: copy slot's state as it stands after n_tokens tokens, reading the
+  // compressed and indexer rows through block_table (max_blocks entries, the slot's table).
+  // Throws std::invalid_argument when a needed page is unassigned or outside the pool.
+  SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens) const;
 
   // Bytes the engine allocated, by section: "rings", "compressor_state", "pages", "block_tables",
   // "scratch" (and "weights_mapped" for the mapped file). Must equal the Python memory plan.

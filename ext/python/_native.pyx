@@ -18,14 +18,14 @@ import types
 
 import numpy as np
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libcpp.string cimport string
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref
 
 from ds4 cimport (
-    CEngine, DType, EngineOptions, ModelConfig, SimdPath, ThreadPool, TensorView, WeightEntry,
+    CEngine, DType, EngineOptions, ModelConfig, SimdPath, SlotStateExport, ThreadPool, TensorView, WeightEntry,
     active_path, block_bytes, block_elems, c_dtype_supported, c_physical_cores, decode, dtype_name,
     matmul_on, path_name, path_supported,
 )
@@ -416,6 +416,60 @@ def _t_matmul_scalar(int ggml_type, raw, int64_t ne0, int64_t ne1, X, int n_thre
     return _t_matmul(ggml_type, raw, ne0, ne1, X, n_threads, "scalar")
 
 
+cdef list _f16_rows(vector[vector[uint16_t]]& rows, int64_t width):
+    out = []
+    cdef size_t l
+    for l in range(rows.size()):
+        a = np.array(<const uint16_t[:rows[l].size()]>rows[l].data(), dtype=np.uint16) if rows[l].size() else \
+            np.zeros(0, np.uint16)
+        out.append(a.view(np.float16).astype(np.float32).reshape(-1, width))
+    return out
+
+
+cdef list _f32_states(vector[vector[float]]& states, list shapes):
+    out = []
+    cdef size_t l
+    for l in range(states.size()):
+        if states[l].size() == 0:
+            out.append(None)
+        else:
+            out.append(np.array(<const float[:states[l].size()]>states[l].data(), dtype=np.float32).reshape(shapes[l]))
+    return out
+
+
+def _t_export_slot_state(Engine engine, int slot, block_table, int64_t n_tokens):
+    """A copy of one slot's state after n_tokens tokens (ds4::Engine::export_slot_state).
+
+    Returns a dict of per-layer lists, f16 rows widened to float32 (exact): "ring" [128, head_dim];
+    "comp" [n_tokens // ratio, head_dim] and "idx_keys" [n_tokens // 4, index_head_dim], read through
+    block_table (the slot's logical -> physical pages); "kv_state"/"score_state" and
+    "idx_kv_state"/"idx_score_state", the fp32 compressor states (CSA [8, 2 * head_dim] and
+    [8, 2 * index_head_dim], HCA [128, head_dim]; None where a layer has none).
+    """
+    cdef CEngine* eng = engine._get()
+    cfg = engine.config
+    table = np.ascontiguousarray(block_table, dtype=np.int32).reshape(-1)
+    cdef const int32_t[::1] bt = table
+    cdef int32_t empty_table = -1
+    cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
+    cdef int max_blocks = bt.shape[0]
+    cdef SlotStateExport ex
+    with nogil:
+        ex = eng.export_slot_state(slot, bt_ptr, max_blocks, n_tokens)
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    attn_shapes = [(8, 2 * hd) if r == 4 else (128, hd) for r in cfg.compress_ratios]
+    idx_shapes = [(8, 2 * ihd)] * cfg.n_layer
+    return {
+        "ring": _f16_rows(ex.ring, hd),
+        "comp": _f16_rows(ex.comp, hd),
+        "idx_keys": _f16_rows(ex.index, ihd),
+        "kv_state": _f32_states(ex.attn_kv, attn_shapes),
+        "score_state": _f32_states(ex.attn_score, attn_shapes),
+        "idx_kv_state": _f32_states(ex.index_kv, idx_shapes),
+        "idx_score_state": _f32_states(ex.index_score, idx_shapes),
+    }
+
+
 def _t_path_supported(path):
     """Whether this CPU can run the named SIMD path."""
     if path == "scalar":
@@ -447,4 +501,5 @@ _testing = types.SimpleNamespace(
     path_supported=_t_path_supported,
     pool_chunks=_t_pool_chunks,
     pool_throw=_t_pool_throw,
+    export_slot_state=_t_export_slot_state,
 )

@@ -4,7 +4,7 @@
 # Every call that can throw is declared `except +`, so C++ exceptions become Python ones
 # (std::invalid_argument -> ValueError, std::runtime_error -> RuntimeError, ...).
 
-from libc.stdint cimport int32_t, int64_t, uint8_t, uint64_t
+from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libcpp cimport bool as cbool
 from libcpp.string cimport string
 from libcpp.utility cimport pair
@@ -77,6 +77,10 @@ cdef extern from "engine.h" nogil:
         int64_t ne[4]
         uint64_t offset
 
+    cdef cppclass SlotStateExport "ds4::SlotStateExport":
+        vector[vector[uint16_t]] ring, comp, index
+        vector[vector[float]] attn_kv, attn_score, index_kv, index_score
+
     cdef cppclass EngineOptions "ds4::EngineOptions":
         int max_slots, max_ctx, n_pages, max_rows, n_threads
 
@@ -87,4 +91,6 @@ cdef extern from "engine.h" nogil:
                   const int32_t* lane_logits, int n_tables, const int32_t* table_slot,
                   const int32_t* block_table, int max_blocks, float* logits_out) except +
         void reset_slot(int slot) except +
+        SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks,
+                                          int64_t n_tokens) except +
         vector[pair[string, uint64_t]] allocated_bytes() except +
