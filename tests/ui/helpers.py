@@ -18,7 +18,7 @@ from .fake_engine import FakeEngine
 FIXED_TIME = 1_767_225_600.0  # 2026-01-01 00:00:00 UTC
 
 
-async def wait_until(pilot: Pilot, predicate: Callable[[], bool], *, timeout: float = 5.0,
+async def wait_until(pilot: Pilot, predicate: Callable[[], bool], *, timeout: float = 10.0,
                      what: str = "condition") -> None:
     """Let the app run until ``predicate()`` holds (one pause() is not enough for work done by
     workers and timers); fails the test after ``timeout`` seconds."""

@@ -47,7 +47,7 @@ async def test_two_sessions_on_the_real_engine(tmp_path: Path, engine: EngineSer
         await wait_until(pilot, lambda: sorted((str(table.get_cell(k, "session")), str(table.get_cell(k, "state")))
                                                for k in table.keys)
                          == [("And about slo…", "resident"), ("Tell me about…", "resident")],
-                         what="two resident lanes")
+                         timeout=30, what="two resident lanes")
         assert {lane.session for lane in engine.stats().lanes} == {first.session.id, second.session.id}
         # The second turn of a session goes to the same engine session.
         first.post_message(PromptSubmitted("More, please."))
