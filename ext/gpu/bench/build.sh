@@ -5,7 +5,7 @@
 # OUT_DIR/flags records the extra flags.
 set -euo pipefail
 cd "$(dirname "$0")/../../.."
-out=${1:-ext/gpu/bench/build/default}
+out=${1:-build/gpu-harness/default}
 shift || true
 NVCC=${NVCC:-nvcc}
 ARCH=${ARCH:-sm_90}

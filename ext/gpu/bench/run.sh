@@ -2,13 +2,13 @@
 # Everything one device call does (ext/gpu/README.md): use the carried harness builds if they
 # start on this machine, else rebuild them here; check; memcheck a quick check; time each build.
 #   OUT=dir ext/gpu/bench/run.sh VARIANT...
-# VARIANT is a folder under ext/gpu/bench/build made by build.sh; the first one is checked.
+# VARIANT is a folder under build/gpu-harness made by build.sh; the first one is checked.
 # Writes to $OUT: run.log (everything), check.txt, memcheck.txt, bench_VARIANT.json.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/ds4-gpu-out}
 mkdir -p "$OUT"
-B=ext/gpu/bench/build
+B=build/gpu-harness
 variants=("$@")
 [ ${#variants[@]} -gt 0 ] || variants=(default)
 exec > >(tee -a "$OUT/run.log") 2>&1

@@ -1,0 +1,195 @@
+# Testing hooks over the GPU kernels (ext/gpu/ds4_gpu.h), for ext/python/_native.pyx to include:
+#
+#     include "../gpu/binding_hooks.pxi"        (after _weight_type and _as_bytes are defined)
+#
+# and to list in its _testing namespace: gpu_matmul=_t_gpu_matmul,
+# gpu_matmul_grouped=_t_gpu_matmul_grouped, gpu_rms_norm=_t_gpu_rms_norm, gpu_embed=_t_gpu_embed,
+# gpu_rope_tail=_t_gpu_rope_tail, gpu_attention_sink=_t_gpu_attention_sink, gpu_argmax=_t_gpu_argmax
+# (tests/gpu/test_gpu_kernels.py uses them). "../gpu/ds4_gpu.h" resolves through the ext/include
+# include path in every build; without a GPU backend the header's inline stand-ins raise
+# RuntimeError, so the same binding builds with DS4_GPU=off, cuda and hip. Each hook validates
+# its arrays, releases the GIL, and runs synchronously on host copies.
+
+from libcpp cimport bool as cbool
+
+cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
+    void gpu_matvec "ds4::gpu::testing::matvec"(const TensorView& W, const float* X, int ncols, int64_t ldx,
+                                                float* Y, int64_t ldy) except +
+    void gpu_matvec_grouped "ds4::gpu::testing::matvec_grouped"(
+        const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
+        const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy) except +
+    void gpu_rms_norm "ds4::gpu::testing::rms_norm"(const float* X, const float* w, float* Y, int n_rows,
+                                                    int64_t n, float eps) except +
+    void gpu_embed_rows "ds4::gpu::testing::embed_rows"(const TensorView& E, const int32_t* tokens, int n,
+                                                        float* Y) except +
+    void gpu_rope_tail "ds4::gpu::testing::rope_tail"(float* X, int n_rows, int n_heads, int head_dim,
+                                                      int rope_dim, const int32_t* pos, const double* inv_freq,
+                                                      cbool inverse) except +
+    void gpu_attention_sink "ds4::gpu::testing::attention_sink"(
+        const float* q, const uint16_t* kv, int64_t kv_rows, const int32_t* key_rows, const int32_t* key_off,
+        int n_lanes, int n_head, int head_dim, const float* sinks, float* out) except +
+    void gpu_argmax_rows "ds4::gpu::testing::argmax_rows"(const float* X, int n_rows, int64_t n,
+                                                          int32_t* out) except +
+
+
+cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
+    cdef DType t = _weight_type(ggml_type)
+    if ne0 <= 0 or ne1 <= 0 or ne2 <= 0 or ne0 % block_elems(t):
+        raise ValueError(f"bad weight shape ({ne0}, {ne1}, {ne2}) for {dtype_name(t).decode()}")
+    data = _as_bytes(raw)
+    if data.shape[0] < ne0 // block_elems(t) * block_bytes(t) * ne1 * ne2:
+        raise ValueError("raw data is shorter than the weight tensor")
+    keep.append(data)
+    cdef const uint8_t[::1] src = data
+    cdef TensorView W
+    W.type = t
+    W.ne[0] = ne0
+    W.ne[1] = ne1
+    W.ne[2] = ne2
+    W.ne[3] = 1
+    W.data = &src[0]
+    return W
+
+
+def _t_gpu_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X):
+    """_t_matmul on the GPU (ds4::gpu::testing::matvec)."""
+    keep = []
+    cdef TensorView W = _weights_view(ggml_type, raw, ne0, ne1, 1, keep)
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != ne0:
+        raise ValueError(f"X must be [ncols, {ne0}]")
+    cdef int ncols = x.shape[0]
+    y = np.zeros((ncols, ne1), dtype=np.float32)
+    if ncols == 0:
+        return y
+    cdef const float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    with nogil:
+        gpu_matvec(W, &xv[0, 0], ncols, ne0, &yv[0, 0], ne1)
+    return y
+
+
+def _t_gpu_matmul_grouped(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t n_expert, X, pair_expert, x_row,
+                          int max_part):
+    """Y[p] = W[pair_expert[p]] . X[x_row[p]] through the device planner and the grouped kernel."""
+    keep = []
+    cdef TensorView W = _weights_view(ggml_type, raw, ne0, ne1, n_expert, keep)
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    pe = np.ascontiguousarray(pair_expert, dtype=np.int32)
+    xr = np.ascontiguousarray(x_row, dtype=np.int32)
+    if x.ndim != 2 or x.shape[1] != ne0 or x.shape[0] == 0 or pe.shape != xr.shape or pe.ndim != 1:
+        raise ValueError("X must be [rows, ne0]; pair_expert and x_row the same length")
+    cdef int n_pairs = pe.shape[0]
+    y = np.zeros((n_pairs, ne1), dtype=np.float32)
+    if n_pairs == 0:
+        return y
+    cdef const float[:, ::1] xv = x
+    cdef const int32_t[::1] pev = pe
+    cdef const int32_t[::1] xrv = xr
+    cdef float[:, ::1] yv = y
+    cdef int64_t x_rows = x.shape[0]
+    with nogil:
+        gpu_matvec_grouped(W, &xv[0, 0], x_rows, ne0, &pev[0], &xrv[0], n_pairs, max_part, &yv[0, 0], ne1)
+    return y
+
+
+def _t_gpu_rms_norm(X, w, float eps):
+    """RMSNorm of each row of X (w None: unweighted) on the GPU."""
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError("X must be a non-empty [rows, n]")
+    y = np.empty_like(x)
+    wa = None if w is None else np.ascontiguousarray(w, dtype=np.float32)
+    if wa is not None and wa.shape != (x.shape[1],):
+        raise ValueError("w must have n elements")
+    cdef const float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    cdef const float[::1] wv
+    cdef const float* wp = NULL
+    if wa is not None:
+        wv = wa
+        wp = &wv[0]
+    cdef int rows = x.shape[0]
+    cdef int64_t n = x.shape[1]
+    with nogil:
+        gpu_rms_norm(&xv[0, 0], wp, &yv[0, 0], rows, n, eps)
+    return y
+
+
+def _t_gpu_embed(int ggml_type, raw, int64_t ne0, int64_t ne1, tokens):
+    """Rows `tokens` of a [ne1, ne0] table, dequantized on the GPU."""
+    keep = []
+    cdef TensorView E = _weights_view(ggml_type, raw, ne0, ne1, 1, keep)
+    tok = np.ascontiguousarray(tokens, dtype=np.int32)
+    cdef int n = tok.shape[0]
+    y = np.zeros((n, ne0), dtype=np.float32)
+    if n == 0:
+        return y
+    cdef const int32_t[::1] tv = tok
+    cdef float[:, ::1] yv = y
+    with nogil:
+        gpu_embed_rows(E, &tv[0], n, &yv[0, 0])
+    return y
+
+
+def _t_gpu_rope_tail(X, int rope_dim, pos, inv_freq, bint inverse):
+    """Tail RoPE of X [rows, heads, head_dim] at pos[rows] on the GPU; returns a new array."""
+    x = np.array(X, dtype=np.float32, order="C", copy=True)
+    p = np.ascontiguousarray(pos, dtype=np.int32)
+    f = np.ascontiguousarray(inv_freq, dtype=np.float64)
+    if x.ndim != 3 or p.shape != (x.shape[0],) or f.shape != (rope_dim // 2,):
+        raise ValueError("X [rows, heads, head_dim], pos [rows], inv_freq [rope_dim / 2]")
+    if x.shape[0] == 0:
+        return x
+    cdef float[:, :, ::1] xv = x
+    cdef const int32_t[::1] pv = p
+    cdef const double[::1] fv = f
+    cdef int rows = x.shape[0], heads = x.shape[1], head_dim = x.shape[2]
+    with nogil:
+        gpu_rope_tail(&xv[0, 0, 0], rows, heads, head_dim, rope_dim, &pv[0], &fv[0], inverse)
+    return x
+
+
+def _t_gpu_attention_sink(q, kv, key_rows, key_off, sinks):
+    """Sink-column attention of q [lanes, heads, dim] over f16 rows kv [rows, dim] on the GPU."""
+    qa = np.ascontiguousarray(q, dtype=np.float32)
+    kva = np.ascontiguousarray(kv, dtype=np.float16)
+    kr = np.ascontiguousarray(key_rows, dtype=np.int32)
+    ko = np.ascontiguousarray(key_off, dtype=np.int32)
+    sa = np.ascontiguousarray(sinks, dtype=np.float32)
+    if qa.ndim != 3 or kva.ndim != 2 or kva.shape[1] != qa.shape[2] or ko.shape != (qa.shape[0] + 1,) \
+            or sa.shape != (qa.shape[1],) or kva.shape[0] == 0:
+        raise ValueError("q [lanes, heads, dim], kv [rows, dim], key_off [lanes + 1], sinks [heads]")
+    out = np.zeros_like(qa)
+    if qa.shape[0] == 0:
+        return out
+    kr1 = kr if kr.shape[0] else np.zeros(1, np.int32)
+    cdef const float[:, :, ::1] qv = qa
+    cdef const uint16_t[:, ::1] kvv = kva.view(np.uint16)
+    cdef const int32_t[::1] krv = kr1
+    cdef const int32_t[::1] kov = ko
+    cdef const float[::1] sv = sa
+    cdef float[:, :, ::1] ov = out
+    cdef int lanes = qa.shape[0], heads = qa.shape[1], dim = qa.shape[2]
+    cdef int64_t rows = kva.shape[0]
+    with nogil:
+        gpu_attention_sink(&qv[0, 0, 0], &kvv[0, 0], rows, &krv[0], &kov[0], lanes, heads, dim, &sv[0],
+                           &ov[0, 0, 0])
+    return out
+
+
+def _t_gpu_argmax(X):
+    """Index of each row's maximum (first on ties, NaN largest) on the GPU."""
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError("X must be [rows, n] with n > 0")
+    out = np.zeros(x.shape[0], dtype=np.int32)
+    if x.shape[0] == 0:
+        return out
+    cdef const float[:, ::1] xv = x
+    cdef int32_t[::1] ov = out
+    cdef int rows = x.shape[0]
+    cdef int64_t n = x.shape[1]
+    with nogil:
+        gpu_argmax_rows(&xv[0, 0], rows, n, &ov[0])
+    return out

@@ -1,0 +1,181 @@
+"""GPU kernels (ext/gpu) against the CPU kernels and numpy, through the binding's testing hooks.
+
+Every test but the first is marked ``gpu``: conftest skips them unless the module was built with
+``DS4_GPU=cuda|hip`` and a device is visible. Each draws fresh random inputs. The hooks take and
+return numpy arrays and run synchronously (ds4::gpu::testing in ext/gpu/ds4_gpu.h):
+
+- ``gpu_matmul(ggml_type, raw, ne0, ne1, X) -> Y[ncols, ne1]`` (as ``matmul``)
+- ``gpu_matmul_grouped(ggml_type, raw, ne0, ne1, n_expert, X, pair_expert, x_row, max_part)``
+- ``gpu_rms_norm(X, w, eps)``, ``gpu_embed(ggml_type, raw, ne0, ne1, tokens)``,
+  ``gpu_rope_tail(X[rows, heads, head_dim], rope_dim, pos, inv_freq, inverse)``,
+  ``gpu_attention_sink(q[lanes, heads, dim], kv[rows, dim] f16, key_rows, key_off, sinks)``,
+  ``gpu_argmax(X[rows, n]) -> int32[rows]``
+
+The device harness (ext/gpu/bench/harness.cu) checks the same properties at DS4 sizes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+native = pytest.importorskip("ds4_app.engine._native")
+T = native._testing
+
+# ggml type id -> (elements per block, bytes per block)
+GEOMETRY = {0: (1, 4), 1: (1, 2), 30: (1, 2), 8: (32, 34), 12: (256, 144), 39: (32, 17)}
+NAMES = {0: "F32", 1: "F16", 30: "BF16", 8: "Q8_0", 12: "Q4_K", 39: "MXFP4"}
+TYPES = list(GEOMETRY)
+
+
+def test_gpu_available_is_false_without_a_backend() -> None:
+    assert isinstance(native.gpu_available(), bool)
+    if native.gpu_backend() == "off":
+        assert native.gpu_available() is False
+
+
+def tame_raw(t: int, n: int, rng: np.random.Generator) -> np.ndarray:
+    """n elements of type t with moderate values, as uint8."""
+    be, bb = GEOMETRY[t]
+    nb = n // be
+    if t == 0:
+        return rng.standard_normal(n).astype(np.float32).view(np.uint8)
+    if t == 1:
+        return (rng.standard_normal(n) * 0.5).astype(np.float16).view(np.uint8)
+    if t == 30:
+        return (rng.standard_normal(n).astype(np.float32).view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
+    raw = rng.integers(0, 256, (nb, bb), dtype=np.uint8)
+    if t == 8:
+        raw[:, 0:2] = rng.uniform(-0.02, 0.02, nb).astype(np.float16).view(np.uint8).reshape(nb, 2)
+    elif t == 12:
+        dd = np.stack([rng.uniform(0.001, 0.02, nb), rng.uniform(0.0, 0.02, nb)], axis=1).astype(np.float16)
+        raw[:, 0:4] = dd.view(np.uint8).reshape(nb, 4)
+    else:
+        raw[:, 0] = rng.integers(118, 130, nb)
+    return raw.reshape(-1)
+
+
+def scale_of(t: int, raw: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
+    """sum_k |w_k x_k| per (column, row): the size rounding errors scale with."""
+    w = T.dequantize(t, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)
+    return np.abs(x.astype(np.float64)) @ np.abs(w).T
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_matmul_agrees_with_cpu(t: int) -> None:
+    rng = np.random.default_rng()
+    ne0, ne1 = 1024, 77
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    gpu = T.gpu_matmul(t, raw, ne0, ne1, x)
+    cpu = T.matmul(t, raw, ne0, ne1, x, 2)
+    assert np.isfinite(gpu).all()
+    assert (np.abs(gpu.astype(np.float64) - cpu) <= 2e-3 * scale_of(t, raw, ne0, ne1, x)).all()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_matmul_columns_bit_identical_to_single_column(t: int) -> None:
+    rng = np.random.default_rng()
+    ne0, ne1 = 4096, 300  # 4 k-slices: the cross-warp tree is exercised too
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    single = np.concatenate([T.gpu_matmul(t, raw, ne0, ne1, x[c : c + 1]) for c in range(16)])
+    for width in (2, 3, 5, 8, 13, 16):
+        for start in (0, 16 - width):
+            y = T.gpu_matmul(t, raw, ne0, ne1, x[start : start + width])
+            assert np.array_equal(y.view(np.uint32), single[start : start + width].view(np.uint32)), (NAMES[t], width)
+    again = T.gpu_matmul(t, raw, ne0, ne1, x)
+    assert np.array_equal(again.view(np.uint32), single.view(np.uint32))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("max_part", [1, 8])
+@pytest.mark.parametrize("t", [8, 12, 39], ids=["Q8_0", "Q4_K", "MXFP4"])
+def test_grouped_pairs_equal_single_columns(t: int, max_part: int) -> None:
+    rng = np.random.default_rng()
+    ne0, ne1, n_expert, n_lanes = 512, 96, 8, 5
+    raw = tame_raw(t, ne0 * ne1 * n_expert, rng)
+    x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+    pair_expert = np.concatenate([rng.choice(n_expert, 3, replace=False) for _ in range(n_lanes)]).astype(np.int32)
+    x_row = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
+    y = T.gpu_matmul_grouped(t, raw, ne0, ne1, n_expert, x, pair_expert, x_row, max_part)
+    expert_bytes = ne0 // GEOMETRY[t][0] * GEOMETRY[t][1] * ne1
+    for p, (e, r) in enumerate(zip(pair_expert, x_row)):
+        one = T.gpu_matmul(t, raw[e * expert_bytes : (e + 1) * expert_bytes], ne0, ne1, x[r : r + 1])[0]
+        assert np.array_equal(one.view(np.uint32), y[p].view(np.uint32))
+
+
+@pytest.mark.gpu
+def test_rms_norm_matches_the_cpu_formula() -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 4096)).astype(np.float32)
+    w = rng.standard_normal(4096).astype(np.float32)
+    r = (1.0 / np.sqrt((x.astype(np.float64) ** 2).mean(axis=1) + np.float64(np.float32(1e-6)))).astype(np.float32)
+    ref = (x * r[:, None]) * w
+    got = T.gpu_rms_norm(x, w, 1e-6)
+    ulps = np.abs(got.view(np.int32).astype(np.int64) - ref.view(np.int32).astype(np.int64))
+    assert ulps.max() <= 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+def test_embed_rows_equal_the_cpu_dequantizer(t: int) -> None:
+    rng = np.random.default_rng()
+    ne0, ne1 = 512, 40
+    raw = tame_raw(t, ne0 * ne1, rng)
+    tokens = np.array([0, 39, 7, 7], dtype=np.int32)
+    table = T.dequantize(t, raw, ne0 * ne1).reshape(ne1, ne0)
+    got = T.gpu_embed(t, raw, ne0, ne1, tokens)
+    assert np.array_equal(got, table[tokens])  # == : the zero sign may differ (ext/gpu/matvec.cuh)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("inverse", [False, True])
+def test_rope_tail_matches_the_cpu_formula(inverse: bool) -> None:
+    rng = np.random.default_rng()
+    rows, heads, head_dim, rope_dim = 3, 4, 128, 64
+    inv_freq = 10000.0 ** (-np.arange(0, rope_dim, 2, dtype=np.float64) / rope_dim)
+    pos = np.array([0, 5, 100003], dtype=np.int32)
+    x = rng.standard_normal((rows, heads, head_dim)).astype(np.float32)
+    ang = pos[:, None].astype(np.float64) * inv_freq[None, :]
+    c, s = np.cos(ang).astype(np.float32), np.sin(ang).astype(np.float32)
+    s = -s if inverse else s
+    ref = x.copy()
+    x0, x1 = x[..., head_dim - rope_dim :: 2], x[..., head_dim - rope_dim + 1 :: 2]
+    ref[..., head_dim - rope_dim :: 2] = x0 * c[:, None, :] - x1 * s[:, None, :]
+    ref[..., head_dim - rope_dim + 1 :: 2] = x0 * s[:, None, :] + x1 * c[:, None, :]
+    got = T.gpu_rope_tail(x, rope_dim, pos, inv_freq, inverse)
+    assert np.abs(got - ref).max() <= 1e-5
+
+
+@pytest.mark.gpu
+def test_attention_sink_matches_float64() -> None:
+    rng = np.random.default_rng()
+    n_head, head_dim, rows = 4, 128, 500
+    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
+    counts = [0, 1, 130, 300]
+    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
+    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    got = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
+    for i in range(len(counts)):
+        k = kv[key_rows[key_off[i] : key_off[i + 1]]].astype(np.float64)
+        logits = q[i].astype(np.float64) @ k.T / np.sqrt(head_dim)
+        mx = np.maximum(sinks[:, None].astype(np.float64), logits).max(axis=1, initial=-np.inf, keepdims=True)
+        e = np.exp(logits - mx)
+        p = e / (np.exp(sinks[:, None] - mx) + e.sum(axis=1, keepdims=True))
+        ref = p @ k
+        assert np.abs(got[i] - ref).max() <= 2e-3 * max(1.0, np.abs(p @ np.abs(k)).max())
+
+
+@pytest.mark.gpu
+def test_argmax_takes_the_first_maximum() -> None:
+    rng = np.random.default_rng()
+    x = rng.standard_normal((3, 129280)).astype(np.float32)
+    x[0, [17, 90000]] = 9.0
+    x[1, 5] = np.nan
+    x[2, :] = -1.0
+    assert np.array_equal(T.gpu_argmax(x), np.argmax(x, axis=1).astype(np.int32))
