@@ -180,6 +180,7 @@ class EngineService:
         self._counters = collections.Counter()
         self._last_step = (0, 0)
         self._stats = StatsSnapshot.empty(runner.backend, runner.device, model_name)
+        self._publish_stats()  # the pool, memory and limits are known before the first step
         self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
         self._thread.start()
 
