@@ -1,14 +1,22 @@
-// The CPU thread pool: persistent workers, one job at a time, static contiguous chunks.
+// The CPU thread pool: persistent workers, one job at a time, static chunk boundaries, chunks
+// claimed dynamically.
 //
-// A step issues hundreds of parallel_for calls (every projection of every layer), so waking the
-// workers must be cheap: after a job a worker spins briefly on the job counter before it sleeps
-// on the condition variable, and the caller's own thread runs chunk 0. Chunking is static
-// (chunk i of k is [i*n/k, (i+1)*n/k)): which thread computes a row never changes its value,
-// because every kernel computes each row independently.
+// A step issues a few hundred parallel_for calls, most of them small, on a machine that other
+// processes share. Two rules keep that cheap:
+// - Nobody waits for a thread that has not started. Chunk i of k is always [i*n/k, (i+1)*n/k)
+//   (which thread computes a row never changes its value: every kernel computes each row
+//   independently), but chunks go to whoever claims them first, the caller included. A worker
+//   that wakes late, or was descheduled by the OS, finds nothing left and costs nothing; the
+//   caller waits only for chunks that are being computed. (A static chunk-per-thread pool waits
+//   tens of milliseconds for a worker whose core is busy with another process.)
+// - Workers spin only briefly for the next job (kSpinIterations, a few microseconds: the gap
+//   between the projections of one layer) and then sleep on a condition variable, so an idle
+//   engine, or one doing serial work between parallel calls, leaves the other cores alone.
 #include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <algorithm>
 #include <condition_variable>
 #include <exception>
 #include <fstream>
@@ -53,34 +61,54 @@ int physical_cores() {
 namespace {
 // Set while a thread runs a chunk, so a nested parallel_for runs inline instead of deadlocking.
 thread_local bool t_in_pool_job = false;
-constexpr int kSpinIterations = 4000;  // some tens to hundreds of microseconds before sleeping
+// pause loops a worker spins before sleeping: about 10 us on current x86 cores.
+constexpr int kSpinIterations = 256;
+// The claim word: generation << 20 | chunk count << 10 | next unclaimed chunk. The count travels
+// with the generation so a claim is checked against the job it belongs to in one atomic read.
+constexpr int kFieldBits = 10;
+constexpr uint64_t kFieldMask = (uint64_t{1} << kFieldBits) - 1;
+constexpr int kMaxChunks = static_cast<int>(kFieldMask);
+inline uint64_t claim_gen(uint64_t c) { return c >> (2 * kFieldBits); }
+inline int claim_chunks(uint64_t c) { return static_cast<int>((c >> kFieldBits) & kFieldMask); }
+inline int claim_next(uint64_t c) { return static_cast<int>(c & kFieldMask); }
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#endif
+}
 }  // namespace
 
 struct ThreadPool::Impl {
+  using Fn = std::function<void(int64_t, int64_t)>;
   int n_threads = 1;
   std::vector<std::thread> workers;
 
   std::mutex call_mu;  // one job at a time when several threads share the pool
 
-  std::mutex mu;
-  std::condition_variable wake_cv, done_cv;
-  std::atomic<uint64_t> generation{0};
-  std::atomic<int> pending{0};
-  bool stop = false;
-
-  // The current job (valid while pending > 0).
-  const std::function<void(int64_t, int64_t)>* fn = nullptr;
-  int64_t n = 0;
-  int n_chunks = 0;
+  // The current job. Written by the caller before it publishes the job in `claim`; read by
+  // workers after they load `claim`. Atomics because a late worker may read them while the next
+  // job is being written (its claim then fails, and it discards what it read).
+  std::atomic<const Fn*> fn{nullptr};
+  std::atomic<int64_t> n{0};
+  std::atomic<uint64_t> claim{0};  // see claim_gen / claim_chunks / claim_next
+  std::atomic<int> done{0};        // chunks of the current job finished
+  uint64_t generation = 0;         // caller side, under call_mu
   std::exception_ptr error;
   std::mutex error_mu;
 
-  void run_chunk(int i) {
-    const int64_t b = n * i / n_chunks, e = n * (i + 1) / n_chunks;
+  // Sleeping workers.
+  std::mutex mu;
+  std::condition_variable wake_cv;
+  std::atomic<int> sleepers{0};
+  bool stop = false;  // under mu
+
+  void run_chunk(const Fn& f, int64_t total, int chunks, int i) {
+    const int64_t b = total * i / chunks, e = total * (i + 1) / chunks;
     if (b >= e) return;
     t_in_pool_job = true;
     try {
-      (*fn)(b, e);
+      f(b, e);
     } catch (...) {
       std::lock_guard<std::mutex> lock(error_mu);
       if (!error) error = std::current_exception();
@@ -88,35 +116,51 @@ struct ThreadPool::Impl {
     t_in_pool_job = false;
   }
 
-  void worker(int index) {
+  // Claim and run chunks of job `gen` until none is left (or another job replaced it).
+  void help(uint64_t gen) {
+    uint64_t c = claim.load(std::memory_order_acquire);
+    if (claim_gen(c) != gen) return;
+    // Read after seeing job `gen` published. A job stays open (and its fields unchanged) until
+    // all its chunks are claimed and done, and the claim word never returns to an earlier value,
+    // so a successful claim below proves these were job gen's fields.
+    const Fn* f = fn.load(std::memory_order_relaxed);
+    const int64_t total = n.load(std::memory_order_relaxed);
+    while (claim_gen(c) == gen && claim_next(c) < claim_chunks(c)) {
+      if (claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
+        run_chunk(*f, total, claim_chunks(c), claim_next(c));
+        done.fetch_add(1, std::memory_order_release);
+        c = claim.load(std::memory_order_acquire);
+      }
+    }
+  }
+
+  void worker() {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t gen = generation.load(std::memory_order_acquire);
+      uint64_t gen = claim_gen(claim.load(std::memory_order_acquire));
       for (int spin = 0; gen == seen && spin < kSpinIterations; ++spin) {
-#if defined(__x86_64__) || defined(__i386__)
-        __builtin_ia32_pause();
-#endif
-        gen = generation.load(std::memory_order_acquire);
+        cpu_relax();
+        gen = claim_gen(claim.load(std::memory_order_acquire));
       }
       if (gen == seen) {
         std::unique_lock<std::mutex> lock(mu);
-        wake_cv.wait(lock, [&] { return stop || generation.load(std::memory_order_acquire) != seen; });
+        // seq_cst pairs with the caller's store of claim then load of sleepers: either the
+        // caller sees this sleeper and notifies, or this check sees the new job.
+        sleepers.fetch_add(1, std::memory_order_seq_cst);
+        wake_cv.wait(lock, [&] { return stop || claim_gen(claim.load(std::memory_order_seq_cst)) != seen; });
+        sleepers.fetch_sub(1, std::memory_order_relaxed);
         if (stop) return;
-        gen = generation.load(std::memory_order_acquire);
+        gen = claim_gen(claim.load(std::memory_order_acquire));
       }
       seen = gen;
-      if (index < n_chunks) run_chunk(index);
-      if (pending.fetch_sub(1, std::memory_order_acq_rel) == 1) {
-        std::lock_guard<std::mutex> lock(mu);
-        done_cv.notify_one();
-      }
+      help(gen);
     }
   }
 };
 
 ThreadPool::ThreadPool(int n_threads) : impl_(new Impl) {
   impl_->n_threads = n_threads > 0 ? n_threads : cpu::physical_cores();
-  for (int i = 1; i < impl_->n_threads; ++i) impl_->workers.emplace_back([this, i] { impl_->worker(i); });
+  for (int i = 1; i < impl_->n_threads; ++i) impl_->workers.emplace_back([this] { impl_->worker(); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -135,36 +179,33 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   if (n <= 0) return;
   if (grain < 1) grain = 1;
   const int64_t want = (n + grain - 1) / grain;
-  const int chunks = static_cast<int>(std::min<int64_t>(want, impl_->n_threads));
+  const int chunks = static_cast<int>(std::min<int64_t>({want, impl_->n_threads, kMaxChunks}));
   if (chunks <= 1 || t_in_pool_job) {
     fn(0, n);
     return;
   }
   Impl& p = *impl_;
   std::lock_guard<std::mutex> call_lock(p.call_mu);
-  p.fn = &fn;
-  p.n = n;
-  p.n_chunks = chunks;
+  p.fn.store(&fn, std::memory_order_relaxed);
+  p.n.store(n, std::memory_order_relaxed);
+  p.done.store(0, std::memory_order_relaxed);
   p.error = nullptr;
-  // Every worker acknowledges every job (workers past n_chunks just count down), which keeps the
-  // generation protocol simple: no worker can miss a generation and run a stale job.
-  p.pending.store(static_cast<int>(p.workers.size()), std::memory_order_release);
-  {
-    std::lock_guard<std::mutex> lock(p.mu);
-    p.generation.fetch_add(1, std::memory_order_acq_rel);
+  const uint64_t gen = ++p.generation;
+  p.claim.store(gen << (2 * kFieldBits) | static_cast<uint64_t>(chunks) << kFieldBits,
+                std::memory_order_seq_cst);  // publishes the job
+  if (p.sleepers.load(std::memory_order_seq_cst) > 0) {
+    std::lock_guard<std::mutex> lock(p.mu);  // a sleeper is either waiting or will see the job
+    p.wake_cv.notify_all();
   }
-  p.wake_cv.notify_all();
-  p.run_chunk(0);
-  for (int spin = 0; p.pending.load(std::memory_order_acquire) != 0 && spin < kSpinIterations; ++spin) {
-#if defined(__x86_64__) || defined(__i386__)
-    __builtin_ia32_pause();
-#endif
+  p.help(gen);
+  // What is left is running on workers that claimed it: wait for those chunks only.
+  for (int spin = 0; p.done.load(std::memory_order_acquire) != chunks; ++spin) {
+    if (spin < 4096) {
+      cpu_relax();
+    } else {
+      std::this_thread::yield();  // the worker may have lost its core to another process
+    }
   }
-  if (p.pending.load(std::memory_order_acquire) != 0) {
-    std::unique_lock<std::mutex> lock(p.mu);
-    p.done_cv.wait(lock, [&] { return p.pending.load(std::memory_order_acquire) == 0; });
-  }
-  p.fn = nullptr;
   if (p.error) std::rethrow_exception(std::exchange(p.error, nullptr));
 }
 
