@@ -1,8 +1,19 @@
 // Gathered attention with the sink column and the lightning indexer's selection.
+//
+// Two implementations of one arithmetic: a portable one and an AVX2+F16C one, picked by the
+// process's SIMD path (ext/cpu/dispatch.h). The AVX2 one converts key rows with F16C (exact, as
+// the table is) and runs the dot products' 8 partial sums as the 8 lanes of one register, with
+// the same multiply, add and final tree as the portable code, so both give the same bits.
 #include "attention.h"
+
+#include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
+
+#include "dispatch.h"
+
+#define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace ds4 {
 
@@ -19,16 +30,60 @@ float dot(const float* a, const float* b, int n) {
   return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
 }
 
-}  // namespace
+// dot() with its 8 partial sums in one register: the same products and sums in the same order.
+DS4_AVX2 float dot_avx2(const float* a, const float* b, int n) {
+  __m256 v = _mm256_setzero_ps();
+  int i = 0;
+  for (; i + 8 <= n; i += 8) v = _mm256_add_ps(v, _mm256_mul_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i)));
+  alignas(32) float acc[8];
+  _mm256_store_ps(acc, v);
+  for (; i < n; ++i) acc[i & 7] += a[i] * b[i];
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
+}
 
-void attend_heads(const LaneKeys& keys, const float* q, const float* sinks, int head_dim, int rope_dim,
-                  const RopeTable& rope_t, float* logits, int64_t stride, float* out, int h0, int h1) {
+DS4_AVX2 void f16_row_avx2(const uint16_t* x, float* y, int n) {
+  int i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(x + i))));
+  for (; i < n; ++i) y[i] = f16_to_f32(x[i]);
+}
+
+// o[e] += p * k[e]: one rounding for the product and one for the sum, as the portable loop.
+DS4_AVX2 void axpy_avx2(float p, const float* k, float* o, int n) {
+  const __m256 pv = _mm256_set1_ps(p);
+  int e = 0;
+  for (; e + 8 <= n; e += 8)
+    _mm256_storeu_ps(o + e, _mm256_add_ps(_mm256_loadu_ps(o + e), _mm256_mul_ps(pv, _mm256_loadu_ps(k + e))));
+  for (; e < n; ++e) o[e] += p * k[e];
+}
+
+struct Portable {
+  static float dot(const float* a, const float* b, int n) { return ds4::dot(a, b, n); }
+  static void f16_row(const uint16_t* x, float* y, int n) { f16_to_f32_row(x, y, n); }
+  static void axpy(float p, const float* k, float* o, int n) {
+    for (int e = 0; e < n; ++e) o[e] += p * k[e];
+  }
+};
+
+struct Avx2 {
+  static float dot(const float* a, const float* b, int n) { return dot_avx2(a, b, n); }
+  static void f16_row(const uint16_t* x, float* y, int n) { f16_row_avx2(x, y, n); }
+  static void axpy(float p, const float* k, float* o, int n) { axpy_avx2(p, k, o, n); }
+};
+
+bool use_avx2() {
+  static const bool avx2 = cpu::active_path() == cpu::SimdPath::Avx2;
+  return avx2;
+}
+
+template <class K>
+void attend_heads_impl(const LaneKeys& keys, const float* q, const float* sinks, int head_dim, int rope_dim,
+                       const RopeTable& rope_t, float* logits, int64_t stride, float* out, int h0, int h1) {
   const int n = keys.count();
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   float kb[kMaxHeadDim];
   for (int i = 0; i < n; ++i) {
-    f16_to_f32_row(keys.key(i), kb, head_dim);
-    for (int h = h0; h < h1; ++h) logits[h * stride + i] = dot(q + static_cast<int64_t>(h) * head_dim, kb, head_dim) * scale;
+    K::f16_row(keys.key(i), kb, head_dim);
+    for (int h = h0; h < h1; ++h) logits[h * stride + i] = K::dot(q + static_cast<int64_t>(h) * head_dim, kb, head_dim) * scale;
   }
   for (int h = h0; h < h1; ++h) {
     float* l = logits + h * stride;
@@ -45,31 +100,46 @@ void attend_heads(const LaneKeys& keys, const float* q, const float* sinks, int 
     for (int e = 0; e < head_dim; ++e) o[e] = 0.0f;
   }
   for (int i = 0; i < n; ++i) {
-    f16_to_f32_row(keys.key(i), kb, head_dim);
-    for (int h = h0; h < h1; ++h) {
-      const float p = logits[h * stride + i];
-      float* o = out + static_cast<int64_t>(h) * head_dim;
-      for (int e = 0; e < head_dim; ++e) o[e] += p * kb[e];
-    }
+    K::f16_row(keys.key(i), kb, head_dim);
+    for (int h = h0; h < h1; ++h) K::axpy(logits[h * stride + i], kb, out + static_cast<int64_t>(h) * head_dim, head_dim);
   }
   for (int h = h0; h < h1; ++h) rope_t.apply(out + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dim), true);
 }
 
-void indexer_scores(const PagedState& state, int layer, int slot, const float* q, const float* w, int n_heads,
-                    int head_dim, int64_t s0, int64_t s1, float* scores) {
+template <class K>
+void indexer_scores_impl(const PagedState& state, int layer, int slot, const float* q, const float* w, int n_heads,
+                         int head_dim, int64_t s0, int64_t s1, float* scores) {
   float kb[kMaxHeadDim];
   for (int64_t s = s0; s < s1; ++s) {
     const int64_t start = s * 4;
-    f16_to_f32_row(state.index_row(layer, state.page_of(slot, start / kPageTokens),
-                                   static_cast<int>((start % kPageTokens) / 4)),
-                   kb, head_dim);
+    K::f16_row(state.index_row(layer, state.page_of(slot, start / kPageTokens),
+                               static_cast<int>((start % kPageTokens) / 4)),
+               kb, head_dim);
     float acc = 0.0f;
     for (int h = 0; h < n_heads; ++h) {
-      const float v = dot(q + static_cast<int64_t>(h) * head_dim, kb, head_dim);
+      const float v = K::dot(q + static_cast<int64_t>(h) * head_dim, kb, head_dim);
       acc += w[h] * std::max(v, 0.0f);
     }
     scores[s] = acc;
   }
+}
+
+}  // namespace
+
+void attend_heads(const LaneKeys& keys, const float* q, const float* sinks, int head_dim, int rope_dim,
+                  const RopeTable& rope_t, float* logits, int64_t stride, float* out, int h0, int h1) {
+  if (use_avx2())
+    attend_heads_impl<Avx2>(keys, q, sinks, head_dim, rope_dim, rope_t, logits, stride, out, h0, h1);
+  else
+    attend_heads_impl<Portable>(keys, q, sinks, head_dim, rope_dim, rope_t, logits, stride, out, h0, h1);
+}
+
+void indexer_scores(const PagedState& state, int layer, int slot, const float* q, const float* w, int n_heads,
+                    int head_dim, int64_t s0, int64_t s1, float* scores) {
+  if (use_avx2())
+    indexer_scores_impl<Avx2>(state, layer, slot, q, w, n_heads, head_dim, s0, s1, scores);
+  else
+    indexer_scores_impl<Portable>(state, layer, slot, q, w, n_heads, head_dim, s0, s1, scores);
 }
 
 void indexer_topk(const float* scores, int64_t n, int64_t k, int32_t* order, int32_t* sel) {
