@@ -1,6 +1,7 @@
 // mHC per lane (spec §3).
 #include "mhc.h"
 
+#include <algorithm>
 #include <cmath>
 
 #include "ops.h"
@@ -12,9 +13,22 @@ namespace {
 // ρ = rsqrt(mean(x̂²) + eps) over the flattened hc·d state (the model's norm_eps, not hc_eps).
 float state_rsqrt(const HcShape& s, const float* x) {
   const int64_t n = s.hc * s.d;
-  double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
-  return static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + s.norm_eps));
+  return static_cast<float>(1.0 / std::sqrt(sum_squares(x, n) / static_cast<double>(n) + s.norm_eps));
+}
+
+constexpr int kChunk = 16;  // elements of a stream done together (vectorizable inner loops)
+
+// u[k] = Σ_i wt[i]·X[i][k], summed from 0.0f in stream order for each k.
+void mix_streams(int hc, int64_t d, const float* wt, const float* x, float* u) {
+  for (int64_t k0 = 0; k0 < d; k0 += kChunk) {
+    const int m = static_cast<int>(std::min<int64_t>(kChunk, d - k0));
+    float acc[kChunk] = {};
+    for (int i = 0; i < hc; ++i) {
+      const float* xi = x + i * d + k0;
+      for (int k = 0; k < m; ++k) acc[k] += wt[i] * xi[k];
+    }
+    for (int k = 0; k < m; ++k) u[k0 + k] = acc[k];
+  }
 }
 
 }  // namespace
@@ -28,22 +42,27 @@ void hc_pre_lane(const HcShape& s, const HcWeights& w, const float* x, const flo
   for (int i = 0; i < hc; ++i) post[i] = 2.0f * sigmoidf(w.scale[1] * (rho * raw[hc + i]) + w.base[hc + i]);
   for (int i = 0; i < hc * hc; ++i) comb[i] = w.scale[2] * (rho * raw[2 * hc + i]) + w.base[2 * hc + i];
   sinkhorn(comb, hc, s.iters, s.hc_eps);
-  for (int64_t k = 0; k < s.d; ++k) {
-    float acc = 0.0f;
-    for (int i = 0; i < hc; ++i) acc += pre[i] * x[i * s.d + k];
-    u[k] = acc;
-  }
+  mix_streams(hc, s.d, pre, x, u);
 }
 
 void hc_post_lane(const HcShape& s, float* x, const float* y, const float* post, const float* comb) {
   const int hc = s.hc;
-  float old[kMaxHc];
-  for (int64_t e = 0; e < s.d; ++e) {
-    for (int j = 0; j < hc; ++j) old[j] = x[j * s.d + e];
+  const int64_t d = s.d;
+  // Per element e: X[k][e] = post_k·y[e], then + comb[j][k]·X_old[j][e] for j in order. Done
+  // kChunk elements at a time (old values copied first, since X is updated in place).
+  float old[kMaxHc][kChunk];
+  for (int64_t e0 = 0; e0 < d; e0 += kChunk) {
+    const int m = static_cast<int>(std::min<int64_t>(kChunk, d - e0));
+    for (int j = 0; j < hc; ++j)
+      for (int e = 0; e < m; ++e) old[j][e] = x[j * d + e0 + e];
     for (int k = 0; k < hc; ++k) {
-      float acc = post[k] * y[e];
-      for (int j = 0; j < hc; ++j) acc += comb[j * hc + k] * old[j];
-      x[k * s.d + e] = acc;
+      float acc[kChunk];
+      for (int e = 0; e < m; ++e) acc[e] = post[k] * y[e0 + e];
+      for (int j = 0; j < hc; ++j) {
+        const float c = comb[j * hc + k];
+        for (int e = 0; e < m; ++e) acc[e] += c * old[j][e];
+      }
+      for (int e = 0; e < m; ++e) x[k * d + e0 + e] = acc[e];
     }
   }
 }
@@ -53,11 +72,7 @@ void hc_head_lane(const HcShape& s, const HcWeights& w, const float* x, const fl
   const float rho = state_rsqrt(s, x);
   float wt[kMaxHc];
   for (int i = 0; i < hc; ++i) wt[i] = sigmoidf(w.scale[0] * (rho * raw[i]) + w.base[i]) + s.hc_eps;
-  for (int64_t k = 0; k < s.d; ++k) {
-    float acc = 0.0f;
-    for (int i = 0; i < hc; ++i) acc += wt[i] * x[i * s.d + k];
-    h[k] = acc;
-  }
+  mix_streams(hc, s.d, wt, x, h);
 }
 
 }  // namespace ds4

@@ -76,9 +76,17 @@ void round_f16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = t[f32_to_f16(x[i])];
 }
 
+double sum_squares(const float* x, int64_t n) {
+  double s[4] = {0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4)
+    for (int j = 0; j < 4; ++j) s[j] += static_cast<double>(x[i + j]) * x[i + j];
+  for (; i < n; ++i) s[i & 3] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
-  double ss = 0.0;
-  for (int64_t i = 0; i < n; ++i) ss += static_cast<double>(x[i]) * x[i];
+  const double ss = sum_squares(x, n);
   const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
   if (w) {
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];

@@ -24,6 +24,10 @@ void f16_to_f32_row(const uint16_t* x, float* y, int64_t n);
 // Round a vector through f16 and back in place (a stored row as its reader sees it).
 void round_f16(float* x, int64_t n);
 
+// Σ x[i]² in double: four interleaved partial sums (i mod 4) added as (s0 + s1) + (s2 + s3),
+// a fixed order that depends only on n (four chains instead of one long dependent chain).
+double sum_squares(const float* x, int64_t n);
+
 // y = x * rsqrt(mean(x^2) + eps) * w   (w may be null: unweighted). y may alias x.
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps);
 
