@@ -201,3 +201,13 @@ def test_admission_errors(tiny_model):
             svc.submit(chat("hi", max_tokens=4))
         svc.cancel(first.request_id)
         assert collect(second)[1].finish_reason == "length"
+
+
+def test_a_burst_fills_free_slots_before_the_queue_bound(tiny_model):
+    """Eight requests at once into an idle six-slot engine with a queue of two: all are taken
+    (six run, two wait); the ninth is refused."""
+    with make_service(tiny_model, max_slots=6, max_queue=2) as svc:
+        streams = [svc.submit(chat(p, max_tokens=50)) for p in PROMPTS + PROMPTS[:2]]
+        with pytest.raises(QueueFull):
+            svc.submit(chat("one too many", max_tokens=2))
+        assert all(collect(s)[1].finish_reason == "length" for s in streams)

@@ -253,8 +253,11 @@ class EngineService:
         with self._lock:
             if self._stopping or self._failed:
                 raise EngineUnavailable(self._failed or "the engine is stopping")
-            if len(self._queue) >= self.max_queue:
-                raise QueueFull(f"{len(self._queue)} requests are waiting (the queue holds "
+            # Requests the next loop turn admits into free (or idle, evictable) slots are not
+            # waiting; the bound is on those beyond the slots.
+            waiting = len(self._queue) - self.slots.n_free_slots - len(self.slots.idle())
+            if waiting >= self.max_queue:
+                raise QueueFull(f"{max(waiting, 0)} requests are waiting (the queue holds "
                                 f"{self.max_queue}); retry later")
             self._queue.append(r)
             self._live[request.request_id] = r
