@@ -28,15 +28,16 @@ import dataclasses
 import json
 import threading
 import time
-from typing import Any, AsyncIterator, Iterator, Sequence
+from typing import Any, Sequence
 
 import httpx
 
-from .api import (ContextLengthExceeded, Delta, EngineUnavailable, Event, ExceedsPool, Finished,
+from .api import (ContextLengthExceeded, Delta, EngineUnavailable, ExceedsPool, Finished,
                   GenerationRequest, InvalidRequest, LaneStats, PoolStats, QueueFull, ServiceError,
                   StatsSnapshot, Usage)
 from .chat import Message
 from .sampling import SamplerConfig
+from .stream import EventStream
 
 _NEUTRAL = SamplerConfig()
 
@@ -50,88 +51,12 @@ class RemoteError(ServiceError):
         self.error_type = error_type
 
 
-class RemoteHandle:
-    """A remote request's events, as an async or a blocking iterator (thread-safe buffer)."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._buf: collections.deque[Event] = collections.deque()
-        self._error: ServiceError | None = None
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # --- producer (the client's loop thread) ---
-    def push(self, ev: Event) -> None:
-        with self._cond:
-            self._buf.append(ev)
-        self._notify()
-
-    def fail(self, error: ServiceError) -> None:
-        """The server refused the request: iteration raises ``error``."""
-        with self._cond:
-            self._error = error
-        self._notify()
-
-    def _notify(self) -> None:
-        with self._cond:
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop has closed
-                pass
-
-    def _pop(self) -> Event | None:
-        if self._buf:
-            return self._buf.popleft()
-        if self._error is not None:
-            raise self._error
-        return None
-
-    # --- consumers ---
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Blocking iteration until Finished (TimeoutError after ``timeout`` s without an event)."""
-        while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._buf or self._error is not None, timeout):
-                    raise TimeoutError(f"no event from {self.request_id} for {timeout} s")
-                ev = self._pop()
-            assert ev is not None
-            yield ev
-            if isinstance(ev, Finished):
-                return
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[Event]:
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event))
-        try:
-            while True:
-                with self._cond:
-                    ev = self._pop()
-                    if ev is None:
-                        event.clear()
-                if ev is None:
-                    await event.wait()
-                    continue
-                yield ev
-                if isinstance(ev, Finished):
-                    return
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, event))
-
-
 @dataclasses.dataclass(slots=True, eq=False)
 class _Flight:
     """This client's record of one request in flight (touched on the client's loop thread)."""
 
     request_id: str
-    handle: RemoteHandle
+    handle: EventStream
     t_submit: float
     task: asyncio.Task | None = None
     started: bool = False
@@ -186,9 +111,9 @@ class RemoteEngine:
                 pass
         return self._model or self.root  # unknown yet: name the server itself
 
-    def submit(self, request: GenerationRequest) -> RemoteHandle:
+    def submit(self, request: GenerationRequest) -> EventStream:
         """Start the request (never blocks); a refusal surfaces when the handle is first read."""
-        handle = RemoteHandle(request.request_id)
+        handle = EventStream(request.request_id)
         loop = self._ensure_loop()
         body, path = self._body(request)
         flight = _Flight(request.request_id, handle, time.monotonic())

@@ -17,18 +17,16 @@ A step of the loop:
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import logging
 import os
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+from typing import Sequence
 
-import numpy as np
 
-from .api import (ContextLengthExceeded, EngineUnavailable, Event, ExceedsPool, Finished,
+from .api import (ContextLengthExceeded, EngineUnavailable, ExceedsPool, Finished,
                   GenerationRequest, InvalidRequest, LaneStats, PoolStats, QueueFull, StatsSnapshot,
                   Usage)
 from .chat import Delta, Message, ReplyParser, encode_chat, render_chat
@@ -36,88 +34,11 @@ from .pages import PagePool, pages_for
 from .sampling import StopMatcher, sample
 from .scheduler import Scheduler
 from .slots import AdmissionError, Busy, Preempted, SlotManager, SlotState
+from .stream import EventStream
 
 log = logging.getLogger(__name__)
 
 MAX_BUFFERED_EVENTS = 8192  # per request; a consumer this far behind is dropped
-
-
-class RequestStream:
-    """The handle submit() returns: the request's events, as an async or a blocking iterator.
-
-    The engine thread pushes without ever blocking; the buffer is bounded, and when a consumer
-    falls MAX_BUFFERED_EVENTS behind, the request is cancelled and ends with an error event.
-    """
-
-    def __init__(self, request_id: str, on_overflow) -> None:
-        self.request_id = request_id
-        self._buf: collections.deque[Event] = collections.deque()
-        self._cond = threading.Condition()
-        self._done = False
-        self._overflowed = False
-        self._on_overflow = on_overflow
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    # --- producer side (engine thread) ---
-    def push(self, ev: Event) -> None:
-        with self._cond:
-            if self._done:
-                return
-            final = isinstance(ev, Finished)
-            if not final and len(self._buf) >= MAX_BUFFERED_EVENTS:
-                if not self._overflowed:
-                    self._overflowed = True
-                    self._on_overflow(self.request_id)
-                return
-            self._buf.append(ev)
-            self._done = final
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:  # the consumer's loop has closed
-                pass
-
-    # --- consumer side ---
-    def _pop(self) -> Event | None:
-        with self._cond:
-            return self._buf.popleft() if self._buf else None
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        """Blocking iteration until the Finished event (TimeoutError if nothing for ``timeout`` s)."""
-        while True:
-            with self._cond:
-                if not self._buf and not self._cond.wait_for(lambda: self._buf, timeout):
-                    raise TimeoutError(f"no event from {self.request_id} for {timeout} s")
-                ev = self._buf.popleft()
-            yield ev
-            if isinstance(ev, Finished):
-                return
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[Event]:
-        loop = asyncio.get_running_loop()
-        event = asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event))
-        try:
-            while True:
-                ev = self._pop()
-                if ev is None:
-                    event.clear()
-                    ev = self._pop()  # re-check after clear: a push may have raced the clear
-                    if ev is None:
-                        await event.wait()
-                        continue
-                yield ev
-                if isinstance(ev, Finished):
-                    return
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, event))
 
 
 @dataclass(frozen=True, slots=True)
@@ -138,7 +59,7 @@ class _Request:
 
     req: GenerationRequest
     prompt: list[int]
-    stream: RequestStream
+    stream: EventStream
     parser: ReplyParser
     stops: StopMatcher
     t_submit: float
@@ -227,7 +148,7 @@ class EngineService:
                             thinking: bool = False) -> int:
         return len(self.prompt_tokens(messages, prompt, thinking))
 
-    def submit(self, request: GenerationRequest) -> RequestStream:
+    def submit(self, request: GenerationRequest) -> EventStream:
         """Queue a request. Raises InvalidRequest / ContextLengthExceeded / ExceedsPool when it can
         never run, QueueFull when the queue is at its bound, EngineUnavailable when stopping."""
         if request.messages is not None and not request.messages:
@@ -246,7 +167,7 @@ class EngineService:
         if mt is not None and pages_for(min(n + mt, self.max_ctx + 1)) > self.pool.n_pages:
             raise ExceedsPool(f"prompt ({n}) + max_tokens ({mt}) can never fit the page pool of "
                               f"{self.pool.n_pages * 128} tokens; lower max_tokens or raise --kv-pool-tokens")
-        stream = RequestStream(request.request_id, self.cancel)
+        stream = EventStream(request.request_id, max_buffered=MAX_BUFFERED_EVENTS, on_overflow=self.cancel)
         r = _Request(req=request, prompt=tokens, stream=stream,
                      parser=ReplyParser(self.tokenizer, thinking=request.thinking),
                      stops=StopMatcher(request.sampling.stop), t_submit=time.monotonic())
@@ -599,4 +520,4 @@ class _Rates:
         return tuple(float(counts.get(s, 0)) for s in range(sec - 59, sec + 1))
 
 
-__all__ = ["EngineService", "RequestStream", "np"]
+__all__ = ["EngineService", "EventStream"]

@@ -23,7 +23,6 @@ ContextLengthExceeded, and prompt + max_tokens over ``pool_tokens`` raises Excee
 
 from __future__ import annotations
 
-import asyncio
 import collections
 import dataclasses
 import json
@@ -32,69 +31,19 @@ import sys
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import AsyncIterator, Iterator, Sequence
+from typing import Sequence
 
 from ds4_app.engine import api
-from ds4_app.engine.api import (ContextLengthExceeded, Delta, Event, ExceedsPool, Finished, GenerationRequest,
+from ds4_app.engine.api import (ContextLengthExceeded, Delta, ExceedsPool, Finished, GenerationRequest,
                                 LaneStats, PoolStats, StatsSnapshot, Usage)
 from ds4_app.engine.chat import Message
 from ds4_app.engine.sampling import StopMatcher
+from ds4_app.engine.stream import EventStream
 
 _DIRECTIVE = re.compile(r"!fake\s+(\{.*\})", re.S)
 
 
-class FakeHandle:
-    """A request's buffered events, readable as an async or a blocking iterator."""
-
-    def __init__(self, request_id: str) -> None:
-        self.request_id = request_id
-        self._buf: collections.deque[Event] = collections.deque()
-        self._cond = threading.Condition()
-        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
-
-    def push(self, ev: Event) -> None:
-        with self._cond:
-            self._buf.append(ev)
-            self._cond.notify_all()
-            waiters = list(self._waiters)
-        for loop, event in waiters:
-            try:
-                loop.call_soon_threadsafe(event.set)
-            except RuntimeError:
-                pass
-
-    def events(self, timeout: float | None = None) -> Iterator[Event]:
-        while True:
-            with self._cond:
-                if not self._cond.wait_for(lambda: self._buf, timeout):
-                    raise TimeoutError(self.request_id)
-                ev = self._buf.popleft()
-            yield ev
-            if isinstance(ev, Finished):
-                return
-
-    def __aiter__(self) -> AsyncIterator[Event]:
-        return self._aiter()
-
-    async def _aiter(self) -> AsyncIterator[Event]:
-        loop, event = asyncio.get_running_loop(), asyncio.Event()
-        with self._cond:
-            self._waiters.append((loop, event))
-        try:
-            while True:
-                with self._cond:
-                    ev = self._buf.popleft() if self._buf else None
-                    if ev is None:
-                        event.clear()
-                if ev is None:
-                    await event.wait()
-                    continue
-                yield ev
-                if isinstance(ev, Finished):
-                    return
-        finally:
-            with self._cond:
-                self._waiters.remove((loop, event))
+FakeHandle = EventStream  # the same handle the real engines hand out
 
 
 @dataclass(frozen=True, slots=True)
