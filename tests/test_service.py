@@ -122,17 +122,39 @@ def test_forget_session_frees_its_slot(tiny_model):
         assert wait_until(lambda: not svc.stats().lanes and svc.stats().pool.used == 0)
 
 
-def test_pressure_twenty_requests_on_a_small_pool(tiny_model, solo_tokens):
-    # Each request holds 2 pages (its prompt page and one page of headroom): 6 pages hold 3.
+def test_pressure_twenty_requests_on_a_small_pool(tiny_model):
+    """20 requests on a pool that holds 3 at a time (6 pages; a request holds its prompt page and
+    one page of headroom). Every other one names a session, so finished turns stay resident until
+    pressure evicts them; every fourth generates 300 tokens, growing to 3 pages, so decoders run
+    out of headroom and the newest is preempted and recomputed. All complete with the tokens they
+    give alone, and the pool is whole afterwards."""
+    def spec(i):
+        return PROMPTS[i % len(PROMPTS)], (300 if i % 4 == 0 else 12)
+
+    solo = {}
+    with make_service(tiny_model) as svc:
+        for i in range(20):
+            p, n = spec(i)
+            if (p, n) not in solo:
+                solo[(p, n)] = collect(svc.submit(chat(p, max_tokens=n)))[1].tokens
     with make_service(tiny_model, max_slots=6, max_ctx=1024, kv_pool_tokens=6 * 128, max_queue=64) as svc:
-        reqs = [(PROMPTS[i % len(PROMPTS)], svc.submit(chat(PROMPTS[i % len(PROMPTS)]))) for i in range(20)]
-        results = [(p, collect(s)[1]) for p, s in reqs]
+        streams = []
+        for i in range(20):
+            p, n = spec(i)
+            req = chat(p, max_tokens=n)
+            if i % 2 == 0:
+                req = GenerationRequest(messages=req.messages, sampling=req.sampling, session=f"s{i}")
+            streams.append((spec(i), svc.submit(req)))
+        results = [(key, collect(s)[1]) for key, s in streams]
+        assert wait_until(lambda: svc.stats().n_running == 0)
         st = svc.stats()
-    for p, fin in results:
+    for key, fin in results:
         assert fin.finish_reason == "length", fin.error
-        assert fin.tokens == solo_tokens[(p, "greedy")]
-    assert st.pool.used == 0 and st.pool.reserved == 0 and st.pool.free == st.pool.n_pages
+        assert fin.tokens == solo[key], key
+    assert st.pool.evictions >= 1 and st.pool.preemptions >= 1
     assert st.requests_finished == 20
+    resident = [lane for lane in st.lanes if lane.state == "resident"]
+    assert st.pool.used == sum(lane.pages for lane in resident) and st.pool.reserved == 0
 
 
 def test_pressure_evicts_resident_sessions(tiny_model):
