@@ -16,6 +16,8 @@ from typing import Callable, Mapping
 from textual import events, on, work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal
+from textual.driver import Driver
+from textual.drivers.linux_driver import LinuxDriver
 from textual.widgets import Footer, TabbedContent
 
 from ds4_app.engine.api import EngineClient
@@ -32,6 +34,7 @@ from .screens.sessions import Choice, SessionsScreen
 from .screens.settings import SettingsScreen
 from .session_settings import SessionSettings
 from .store import Store
+from .terminal import TerminalDriver
 from .widgets.chat_view import ChatView
 from .widgets.engine_panel import EnginePanel
 from .widgets.session_tabs import SessionTabs
@@ -89,6 +92,12 @@ class DS4App(App[None]):
     def engine(self) -> EngineClient | None:
         """The engine (None while a factory still loads it, or after it failed)."""
         return self.bridge.engine
+
+    def get_driver_class(self) -> type[Driver]:
+        """Textual's driver, except that a Linux/macOS terminal is read with ``TerminalDriver``
+        (alt+digit arrives as ESC+digit; see terminal.py)."""
+        driver = super().get_driver_class()
+        return TerminalDriver if driver is LinuxDriver else driver
 
     # ------------------------------------------------------------------ layout and start
     def compose(self) -> ComposeResult:

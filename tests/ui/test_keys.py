@@ -1,0 +1,125 @@
+"""Keys as a terminal really sends them, delivered the way the terminal driver delivers them.
+
+``pilot.press("alt+1")`` hands the app a ready-made key and waits for it to settle before the
+next one. A terminal does neither: tmux sends alt+1 as ESC "1", and a burst of typing (or
+``tmux send-keys "text" Enter``) arrives as one read whose keys all sit in the App's queue at
+once. These tests run bytes through the parser the app's terminal driver uses and post every key
+of a burst before the app handles any of them, which is what found the hand-test bugs: ESC+digit
+parsed as "™", alt+c typed as "c" by the input.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from textual import events
+from textual.drivers.linux_driver import LinuxDriver
+from textual.pilot import Pilot
+
+from ds4_app.ui.app import DS4App
+from ds4_app.ui.screens.help import HelpScreen
+from ds4_app.ui.screens.input_dialog import InputDialog
+from ds4_app.ui.screens.settings import SettingsScreen
+from ds4_app.ui.terminal import KeyParser, TerminalDriver
+
+from .fake_engine import FakeEngine
+from .helpers import chat, make_app, messages, send, wait_until
+
+SIZE = (140, 40)
+
+# What tmux 3.3 sends for these keys (read off a raw tty under `tmux send-keys`).
+ALT = {n: f"\x1b{n}" for n in range(10)}
+CTRL_N, CTRL_W, CTRL_R, CTRL_J = "\x0e", "\x17", "\x12", "\n"
+CTRL_PAGEUP, CTRL_PAGEDOWN = "\x1b[5;5~", "\x1b[6;5~"
+F1, F2, F3, F4 = "\x1bOP", "\x1bOQ", "\x1bOR", "\x1bOS"
+ALT_C, ESC, ENTER = "\x1bc", "\x1b", "\r"
+
+
+def terminal_keys(data: str) -> list[events.Key]:
+    """The key events the app's terminal driver makes of ``data`` read in one go (the end of
+    input flushes a trailing ESC, as the driver's escape-delay timeout would)."""
+    parser = KeyParser()
+    parsed = [*parser.feed(data), *parser.feed("")]
+    return [event for event in parsed if isinstance(event, events.Key)]
+
+
+async def type_burst(pilot: Pilot, data: str) -> None:
+    """Deliver ``data`` as one terminal read: every key is queued before the app handles the
+    first (pilot.press would let each key settle first and hide ordering bugs)."""
+    for key in terminal_keys(data):
+        key.set_sender(pilot.app)
+        pilot.app.post_message(key)
+    await pilot.pause()
+
+
+def session_ids(app: DS4App) -> list[str]:
+    return [v.session.id for v in app.tabs.chats()]
+
+
+# ---------------------------------------------------------------- parsing
+def test_escape_digit_is_alt_digit() -> None:
+    assert [(k.key, k.character) for k in terminal_keys(ALT[2])] == [("alt+2", "2")]
+    assert [k.key for k in terminal_keys(ALT[1] + "hi" + ALT[9])] == ["alt+1", "h", "i", "alt+9"]
+    # The characters themselves still type (a Spanish keyboard's ¡, a UK keyboard's £).
+    assert [(k.key, k.character) for k in terminal_keys("¡£™")] == [
+        ("inverted_exclamation_mark", "¡"), ("pound_sign", "£"), ("trade_mark_sign", "™")]
+    assert [k.key for k in terminal_keys(CTRL_PAGEUP + F2 + ALT_C)] == ["ctrl+pageup", "f2", "alt+c"]
+    assert [k.key for k in terminal_keys(ESC)] == ["escape"]
+
+
+def test_the_app_reads_the_terminal_through_key_parser(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    assert app.driver_class is TerminalDriver and issubclass(TerminalDriver, LinuxDriver)
+    # TerminalDriver reuses LinuxDriver's input loop with the parser swapped: that only works while
+    # the loop builds its parser by the name XTermParser (a Textual upgrade that changes it fails here).
+    assert "XTermParser" in LinuxDriver.run_input_thread.__code__.co_names
+    assert TerminalDriver.run_input_thread.__globals__["XTermParser"] is KeyParser
+
+
+# ---------------------------------------------------------------- app keys from the input
+async def test_alt_digits_switch_tabs_while_typing(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await pilot.press("ctrl+n", "ctrl+n")
+        ids = session_ids(app)
+        await wait_until(pilot, lambda: app.focused is chat(app).input, what="the input focused")
+        await type_burst(pilot, ALT[1])
+        await wait_until(pilot, lambda: chat(app).session.id == ids[0], what="tab 1")
+        await type_burst(pilot, ALT[3])
+        await wait_until(pilot, lambda: chat(app).session.id == ids[2], what="tab 3")
+        await type_burst(pilot, ALT[9])  # no tab 9: nothing happens, nothing is typed
+        await pilot.pause()
+        assert chat(app).session.id == ids[2]
+        assert [v.input.text for v in app.tabs.chats()] == ["", "", ""]
+        assert app.focused is chat(app).input
+
+
+async def test_app_keys_work_from_a_half_typed_message(tmp_path: Path) -> None:
+    engine = FakeEngine(pause_after=2)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        await send(pilot, "hello")
+        await wait_until(pilot, lambda: view.busy and messages(view)[-1][1] == "You said: ", what="streaming")
+        await type_burst(pilot, "draft")
+        assert view.input.text == "draft"
+        for key, screen in ((F2, InputDialog), (F4, SettingsScreen), (F1, HelpScreen)):
+            await type_burst(pilot, key)
+            await wait_until(pilot, lambda: isinstance(app.screen, screen), what=screen.__name__)
+            await type_burst(pilot, ESC)
+            await wait_until(pilot, lambda: app.screen is app.screen_stack[0], what=f"{screen.__name__} closed")
+            assert app.focused is view.input
+        shown = app.panel.display
+        await type_burst(pilot, F3)
+        await wait_until(pilot, lambda: app.panel.display != shown, what="the panel toggled")
+        await type_burst(pilot, ESC)  # cancel the streaming reply
+        await wait_until(pilot, lambda: not view.busy, what="the cancel")
+        assert engine.cancelled and view.history[-1].meta["finish_reason"] == "cancelled"
+        await type_burst(pilot, ALT_C)
+        await wait_until(pilot, lambda: app.clipboard == "You said: ", what="the copy")
+        engine.resume()
+        await type_burst(pilot, CTRL_R)
+        await wait_until(pilot, lambda: len(engine.submitted) == 2 and not view.busy, what="the regenerate")
+        assert view.history[-1].content == "You said: hello"
+        # None of those keys typed anything.
+        assert view.input.text == "draft" and app.focused is view.input
