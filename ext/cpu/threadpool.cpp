@@ -1,17 +1,19 @@
-// The CPU thread pool: persistent workers, one job at a time, static chunk boundaries, chunks
-// claimed dynamically.
+// The CPU thread pool: persistent workers, one job at a time, static chunk boundaries, each
+// chunk preferably run by the same thread every time, any chunk run by whoever is free.
 //
 // A step issues a few hundred parallel_for calls, most of them small, on a machine that other
-// processes share. Two rules keep that cheap:
-// - Nobody waits for a thread that has not started. Chunk i of k is always [i*n/k, (i+1)*n/k)
-//   (which thread computes a row never changes its value: every kernel computes each row
-//   independently), but chunks go to whoever claims them first, the caller included. A worker
-//   that wakes late, or was descheduled by the OS, finds nothing left and costs nothing; the
-//   caller waits only for chunks that are being computed. (A static chunk-per-thread pool waits
-//   tens of milliseconds for a worker whose core is busy with another process.)
-// - Workers spin only briefly for the next job (kSpinIterations, a few microseconds: the gap
-//   between the projections of one layer) and then sleep on a condition variable, so an idle
-//   engine, or one doing serial work between parallel calls, leaves the other cores alone.
+// processes share. The rules:
+// - Chunk i of k is always [i*n/k, (i+1)*n/k) (which thread computes a row never changes its
+//   value: every kernel computes each row independently).
+// - Thread i (the caller is 0) first claims chunk i, so while all threads keep up, each one
+//   streams the same rows of every weight matrix step after step and keeps them in its own L2.
+// - Then it claims any chunk still unclaimed. Nobody waits for a thread that has not started: a
+//   worker that wakes late, or that the OS descheduled, finds its chunk done by the others and
+//   costs nothing; the caller waits only for chunks being computed. (A pool with a fixed chunk
+//   per thread waits tens of milliseconds for a worker whose core another process holds.)
+// - Workers spin only briefly for the next job (kSpinIterations: the gap between two
+//   projections of a layer) and then sleep on a condition variable, so an idle engine, or one
+//   doing serial work between parallel calls, leaves the other cores to the rest of the machine.
 #include <sched.h>
 #include <unistd.h>
 
@@ -20,6 +22,7 @@
 #include <condition_variable>
 #include <exception>
 #include <fstream>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -63,14 +66,12 @@ namespace {
 thread_local bool t_in_pool_job = false;
 // pause loops a worker spins before sleeping: about 10 us on current x86 cores.
 constexpr int kSpinIterations = 256;
-// The claim word: generation << 20 | chunk count << 10 | next unclaimed chunk. The count travels
-// with the generation so a claim is checked against the job it belongs to in one atomic read.
-constexpr int kFieldBits = 10;
-constexpr uint64_t kFieldMask = (uint64_t{1} << kFieldBits) - 1;
-constexpr int kMaxChunks = static_cast<int>(kFieldMask);
-inline uint64_t claim_gen(uint64_t c) { return c >> (2 * kFieldBits); }
-inline int claim_chunks(uint64_t c) { return static_cast<int>((c >> kFieldBits) & kFieldMask); }
-inline int claim_next(uint64_t c) { return static_cast<int>(c & kFieldMask); }
+// The job word: generation << 10 | chunk count. The count travels with the generation, so a
+// claim is checked against the job it belongs to in one atomic read.
+constexpr int kCountBits = 10;
+constexpr int kMaxChunks = (1 << kCountBits) - 1;
+inline uint64_t job_gen(uint64_t j) { return j >> kCountBits; }
+inline int job_chunks(uint64_t j) { return static_cast<int>(j & kMaxChunks); }
 
 inline void cpu_relax() {
 #if defined(__x86_64__) || defined(__i386__)
@@ -86,14 +87,18 @@ struct ThreadPool::Impl {
 
   std::mutex call_mu;  // one job at a time when several threads share the pool
 
-  // The current job. Written by the caller before it publishes the job in `claim`; read by
-  // workers after they load `claim`. Atomics because a late worker may read them while the next
-  // job is being written (its claim then fails, and it discards what it read).
+  // The current job. fn and n are written by the caller before it publishes the job in `job`,
+  // and read by workers after they load `job`. Atomics, because a late worker may read them
+  // while the next job is being written (its claim then fails, and it discards what it read).
   std::atomic<const Fn*> fn{nullptr};
   std::atomic<int64_t> n{0};
-  std::atomic<uint64_t> claim{0};  // see claim_gen / claim_chunks / claim_next
-  std::atomic<int> done{0};        // chunks of the current job finished
-  uint64_t generation = 0;         // caller side, under call_mu
+  std::atomic<uint64_t> job{0};  // see job_gen / job_chunks
+  // owner[c]: the generation of the last job whose chunk c was claimed. A chunk of job g is free
+  // while owner[c] < g; claiming is a CAS to g. Values only grow, so a claim cannot succeed for a
+  // finished job: job g stays open, its fn and n unchanged, until all its chunks are claimed.
+  std::unique_ptr<std::atomic<uint64_t>[]> owner;
+  std::atomic<int> done{0};  // chunks of the current job finished
+  uint64_t generation = 0;   // caller side, under call_mu
   std::exception_ptr error;
   std::mutex error_mu;
 
@@ -105,62 +110,67 @@ struct ThreadPool::Impl {
 
   void run_chunk(const Fn& f, int64_t total, int chunks, int i) {
     const int64_t b = total * i / chunks, e = total * (i + 1) / chunks;
-    if (b >= e) return;
-    t_in_pool_job = true;
-    try {
-      f(b, e);
-    } catch (...) {
-      std::lock_guard<std::mutex> lock(error_mu);
-      if (!error) error = std::current_exception();
+    if (b < e) {
+      t_in_pool_job = true;
+      try {
+        f(b, e);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(error_mu);
+        if (!error) error = std::current_exception();
+      }
+      t_in_pool_job = false;
     }
-    t_in_pool_job = false;
+    done.fetch_add(1, std::memory_order_release);
   }
 
-  // Claim and run chunks of job `gen` until none is left (or another job replaced it).
-  void help(uint64_t gen) {
-    uint64_t c = claim.load(std::memory_order_acquire);
-    if (claim_gen(c) != gen) return;
-    // Read after seeing job `gen` published. A job stays open (and its fields unchanged) until
-    // all its chunks are claimed and done, and the claim word never returns to an earlier value,
-    // so a successful claim below proves these were job gen's fields.
+  bool try_claim(int c, uint64_t gen) {
+    uint64_t seen = owner[c].load(std::memory_order_relaxed);
+    while (seen < gen)
+      if (owner[c].compare_exchange_weak(seen, gen, std::memory_order_acq_rel, std::memory_order_relaxed)) return true;
+    return false;
+  }
+
+  // As thread `self`: run chunk self if still free, then every other free chunk of job j.
+  void help(uint64_t j, int self) {
+    const uint64_t gen = job_gen(j);
+    const int chunks = job_chunks(j);
     const Fn* f = fn.load(std::memory_order_relaxed);
     const int64_t total = n.load(std::memory_order_relaxed);
-    while (claim_gen(c) == gen && claim_next(c) < claim_chunks(c)) {
-      if (claim.compare_exchange_weak(c, c + 1, std::memory_order_acq_rel, std::memory_order_acquire)) {
-        run_chunk(*f, total, claim_chunks(c), claim_next(c));
-        done.fetch_add(1, std::memory_order_release);
-        c = claim.load(std::memory_order_acquire);
-      }
+    for (int k = 0; k < chunks; ++k) {
+      const int c = (self + k) % chunks;
+      if (try_claim(c, gen)) run_chunk(*f, total, chunks, c);
     }
   }
 
-  void worker() {
+  void worker(int self) {
     uint64_t seen = 0;
     for (;;) {
-      uint64_t gen = claim_gen(claim.load(std::memory_order_acquire));
-      for (int spin = 0; gen == seen && spin < kSpinIterations; ++spin) {
+      uint64_t j = job.load(std::memory_order_acquire);
+      for (int spin = 0; job_gen(j) == seen && spin < kSpinIterations; ++spin) {
         cpu_relax();
-        gen = claim_gen(claim.load(std::memory_order_acquire));
+        j = job.load(std::memory_order_acquire);
       }
-      if (gen == seen) {
+      if (job_gen(j) == seen) {
         std::unique_lock<std::mutex> lock(mu);
-        // seq_cst pairs with the caller's store of claim then load of sleepers: either the
-        // caller sees this sleeper and notifies, or this check sees the new job.
+        // seq_cst pairs with the caller's store of job then load of sleepers: either the caller
+        // sees this sleeper and notifies, or this check sees the new job.
         sleepers.fetch_add(1, std::memory_order_seq_cst);
-        wake_cv.wait(lock, [&] { return stop || claim_gen(claim.load(std::memory_order_seq_cst)) != seen; });
+        wake_cv.wait(lock, [&] { return stop || job_gen(job.load(std::memory_order_seq_cst)) != seen; });
         sleepers.fetch_sub(1, std::memory_order_relaxed);
         if (stop) return;
-        gen = claim_gen(claim.load(std::memory_order_acquire));
+        j = job.load(std::memory_order_acquire);
       }
-      seen = gen;
-      help(gen);
+      seen = job_gen(j);
+      help(j, self);
     }
   }
 };
 
 ThreadPool::ThreadPool(int n_threads) : impl_(new Impl) {
   impl_->n_threads = n_threads > 0 ? n_threads : cpu::physical_cores();
-  for (int i = 1; i < impl_->n_threads; ++i) impl_->workers.emplace_back([this] { impl_->worker(); });
+  impl_->owner.reset(new std::atomic<uint64_t>[kMaxChunks]);
+  for (int c = 0; c < kMaxChunks; ++c) impl_->owner[c].store(0, std::memory_order_relaxed);
+  for (int i = 1; i < impl_->n_threads; ++i) impl_->workers.emplace_back([this, i] { impl_->worker(i); });
 }
 
 ThreadPool::~ThreadPool() {
@@ -190,14 +200,13 @@ void ThreadPool::parallel_for(int64_t n, int64_t grain, const std::function<void
   p.n.store(n, std::memory_order_relaxed);
   p.done.store(0, std::memory_order_relaxed);
   p.error = nullptr;
-  const uint64_t gen = ++p.generation;
-  p.claim.store(gen << (2 * kFieldBits) | static_cast<uint64_t>(chunks) << kFieldBits,
-                std::memory_order_seq_cst);  // publishes the job
+  const uint64_t j = (++p.generation << kCountBits) | static_cast<uint64_t>(chunks);
+  p.job.store(j, std::memory_order_seq_cst);  // publishes the job
   if (p.sleepers.load(std::memory_order_seq_cst) > 0) {
     std::lock_guard<std::mutex> lock(p.mu);  // a sleeper is either waiting or will see the job
     p.wake_cv.notify_all();
   }
-  p.help(gen);
+  p.help(j, 0);
   // What is left is running on workers that claimed it: wait for those chunks only.
   for (int spin = 0; p.done.load(std::memory_order_acquire) != chunks; ++spin) {
     if (spin < 4096) {

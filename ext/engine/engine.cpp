@@ -14,6 +14,10 @@
 // Batch invariance: matmul computes each column with single-column arithmetic, and everything
 // else here is per lane with a fixed order (threads split lanes, slots or heads, never a sum),
 // so a lane's logits are bit-identical whatever shares its step.
+//
+// Threads: a piece of work goes to the pool only when each thread's share is worth a hand-off
+// (kParallelWork, in multiply-adds; the matmul has its own grain): most per-lane operations of a
+// decode step are a microsecond or less, and waking a worker costs more than that.
 #include "engine.h"
 
 #include <algorithm>
@@ -36,6 +40,13 @@
 namespace ds4 {
 
 namespace {
+
+// Multiply-adds (or comparable scalar operations) below which a share of work stays on the
+// calling thread: about 4-8 us on current cores, several times a hand-off to a spinning worker
+// (docs/performance.md measures the break-even).
+constexpr int64_t kParallelWork = 32768;
+
+int64_t grain_for(int64_t work_per_item) { return std::max<int64_t>(1, kParallelWork / std::max<int64_t>(1, work_per_item)); }
 
 void check_config(const ModelConfig& c, const EngineOptions& o) {
   auto need = [](bool ok, const std::string& msg) {
@@ -116,13 +127,14 @@ struct Engine::Impl {
                           int n_tables, const int32_t* table_slot, const int32_t* block_table, int max_blocks);
   void check_pages();
   void embed();
+  // f(i) for every lane; work: its rough cost per lane in multiply-adds.
   template <class F>
-  void per_lane(F&& f) {
-    pool.parallel_for(n, 1, [&](int64_t b, int64_t e) {
+  void per_lane(int64_t work, F&& f) {
+    pool.parallel_for(n, grain_for(work), [&](int64_t b, int64_t e) {
       for (int64_t i = b; i < e; ++i) f(static_cast<int>(i));
     });
   }
-  void hc_pre(const HcWeights& hw);
+  void hc_pre(const HcWeights& hw, const float* norm);
   void attention_layer(int l);
   void attend_slot(int l, int g, bool parallel_heads);
   void ffn_layer(int l);
@@ -229,19 +241,23 @@ void Engine::Impl::check_pages() {
 
 void Engine::Impl::embed() {
   const int64_t d = cfg.n_embd, hc = cfg.hc_mult;
-  per_lane([&](int i) {
+  per_lane(hc * d, [&](int i) {
     float* x = sc.x_hc + i * hc * d;
     dequantize_row(w.embed.type, w.embed.data + static_cast<int64_t>(tok[i]) * w.embed.row_bytes(), x, d);
     for (int64_t s = 1; s < hc; ++s) std::memcpy(x + s * d, x, sizeof(float) * d);  // identical streams
   });
 }
 
-void Engine::Impl::hc_pre(const HcWeights& hw) {
-  const int64_t hcd = cfg.hc_mult * cfg.n_embd, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
+// mHC pre of every lane, then the sub-layer's RMSNorm of its input u (one hand-off for both).
+void Engine::Impl::hc_pre(const HcWeights& hw, const float* norm) {
+  const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   matmul(hw.fn, sc.x_hc, n, hcd, sc.hc_mix, mix, pool);
-  per_lane([&](int i) {
-    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, sc.hc_mix + i * mix, sc.u + i * cfg.n_embd, sc.hc_post + i * cfg.hc_mult,
+  const int64_t sinkhorn_work = static_cast<int64_t>(cfg.hc_sinkhorn_iters) * 4 * cfg.hc_mult * cfg.hc_mult;
+  per_lane(3 * hcd + sinkhorn_work, [&](int i) {
+    float* u = sc.u + i * d;
+    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, sc.hc_mix + i * mix, u, sc.hc_post + i * cfg.hc_mult,
                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
+    rms_norm(u, norm, u, d, cfg.norm_eps);
   });
 }
 
@@ -253,13 +269,12 @@ void Engine::Impl::attention_layer(int l) {
   const bool qat = cfg.qat_numerics;
 
   // (A) batched projections.
-  hc_pre(L.hc_attn);
-  per_lane([&](int i) { rms_norm(sc.u + i * d, L.attn_norm, sc.u + i * d, d, cfg.norm_eps); });
+  hc_pre(L.hc_attn, L.attn_norm);
   matmul(L.q_a, sc.u, n, d, sc.q_lat, ql, pool);
-  per_lane([&](int i) { rms_norm(sc.q_lat + i * ql, L.q_norm, sc.q_lat + i * ql, ql, cfg.norm_eps); });
+  per_lane(2 * ql, [&](int i) { rms_norm(sc.q_lat + i * ql, L.q_norm, sc.q_lat + i * ql, ql, cfg.norm_eps); });
   matmul(L.q_b, sc.q_lat, n, ql, sc.q, nh * hd, pool);
   matmul(L.kv, sc.u, n, d, sc.kv, hd, pool);
-  per_lane([&](int i) {
+  per_lane(3 * (nh + 1) * hd + 4 * rd, [&](int i) {
     RopeTable rope;
     rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
     for (int64_t h = 0; h < nh; ++h) {
@@ -282,7 +297,7 @@ void Engine::Impl::attention_layer(int l) {
     const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
     matmul(L.comp.kv, sc.u, n, d, sc.comp_kv, sc.cw, pool);
     matmul(L.comp.gate, sc.u, n, d, sc.comp_sc, sc.cw, pool);
-    per_lane([&](int i) { add_ape(L.comp.ape, sc.comp_sc + i * sc.cw, width, i); });
+    per_lane(2 * width, [&](int i) { add_ape(L.comp.ape, sc.comp_sc + i * sc.cw, width, i); });
   }
   if (L.ratio == 4) {
     matmul(L.idx_q_b, sc.q_lat, n, ql, sc.idx_q, inh * ihd, pool);
@@ -291,7 +306,7 @@ void Engine::Impl::attention_layer(int l) {
     matmul(L.idx_comp.gate, sc.u, n, d, sc.idx_sc, sc.icw, pool);
     // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
     const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
-    per_lane([&](int i) {
+    per_lane(inh * ihd * (qat ? 8 : 2) + 4 * ihd, [&](int i) {
       RopeTable rope;
       rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
       for (int64_t h = 0; h < inh; ++h) {
@@ -307,9 +322,12 @@ void Engine::Impl::attention_layer(int l) {
     });
   }
 
-  // (B) per slot, lanes in order.
-  if (n_groups >= pool.size() || pool.size() == 1) {
-    pool.parallel_for(n_groups, 1, [&](int64_t b, int64_t e) {
+  // (B) per slot, lanes in order. Slots in parallel when there are enough of them; else one
+  // slot at a time with its heads (and indexer entries) split, if that is worth a hand-off.
+  int64_t attn_work = 0;  // multiply-adds of every lane's attention (window + compressed keys)
+  for (int i = 0; i < n; ++i) attn_work += 2 * nh * hd * (std::min<int64_t>(pos[i] + 1, kRingRows) + sc.n_comp);
+  if (n_groups >= pool.size() || attn_work < 2 * kParallelWork) {
+    pool.parallel_for(n_groups, grain_for(attn_work / n_groups), [&](int64_t b, int64_t e) {
       for (int64_t g = b; g < e; ++g) attend_slot(l, static_cast<int>(g), false);
     });
   } else {
@@ -326,7 +344,7 @@ void Engine::Impl::attention_layer(int l) {
     matmul(part, sc.attn_out + g * gw, n, nh * hd, sc.o_low + g * ol, G * ol, pool);
   }
   matmul(L.wo_b, sc.o_low, n, G * ol, sc.y, d, pool);
-  per_lane([&](int i) {
+  per_lane(cfg.hc_mult * (cfg.hc_mult + 1) * d, [&](int i) {
     hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
                  sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
   });
@@ -372,7 +390,7 @@ void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
         const float* iq = sc.idx_q + static_cast<int64_t>(i) * cfg.index_n_heads * ihd;
         const float* iw = sc.idx_w + static_cast<int64_t>(i) * cfg.index_n_heads;
         if (parallel_heads) {
-          pool.parallel_for(n_vis, 64, [&](int64_t b, int64_t e) {
+          pool.parallel_for(n_vis, grain_for(cfg.index_n_heads * ihd), [&](int64_t b, int64_t e) {
             indexer_scores(state, l, slot, iq, iw, cfg.index_n_heads, ihd, b, e, scores);
           });
         } else {
@@ -404,7 +422,7 @@ void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
     float* logits = sc.att_logits + static_cast<int64_t>(i) * nh * sc.n_keys;
     float* out = sc.attn_out + static_cast<int64_t>(i) * nh * hd;
     if (parallel_heads) {
-      pool.parallel_for(nh, 1, [&](int64_t b, int64_t e) {
+      pool.parallel_for(nh, grain_for(2 * hd * keys.count()), [&](int64_t b, int64_t e) {
         attend_heads(keys, q, L.sinks, hd, rd, rope, logits, sc.n_keys, out, static_cast<int>(b), static_cast<int>(e));
       });
     } else {
@@ -416,10 +434,9 @@ void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
 void Engine::Impl::ffn_layer(int l) {
   const LayerWeights& L = w.layers[l];
   const int64_t d = cfg.n_embd;
-  hc_pre(L.hc_ffn);
-  per_lane([&](int i) { rms_norm(sc.u + i * d, L.ffn_norm, sc.u + i * d, d, cfg.norm_eps); });
+  hc_pre(L.hc_ffn, L.ffn_norm);
   moe_forward(cfg, L, l, n, tok, sc, pool);
-  per_lane([&](int i) {
+  per_lane(cfg.hc_mult * (cfg.hc_mult + 1) * d, [&](int i) {
     hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
                  sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
   });
@@ -432,7 +449,7 @@ void Engine::Impl::head(const int32_t* lane_logits, float* logits_out) {
     if (lane_logits[i]) logit_lanes[n_out++] = i;
   if (n_out == 0) return;
   matmul(w.hc_head.fn, sc.x_hc, n, hcd, sc.hc_mix, mix, pool);
-  pool.parallel_for(n_out, 1, [&](int64_t b, int64_t e) {
+  pool.parallel_for(n_out, grain_for(3 * hcd), [&](int64_t b, int64_t e) {
     for (int64_t j = b; j < e; ++j) {
       const int i = logit_lanes[j];
       float* h = sc.head_in + j * d;
