@@ -3,6 +3,8 @@
 ``plan_memory`` is printed at start (and by ``ds4-app model inspect``) and is exactly what the
 C++ engine allocates: a test checks ``Engine.allocated_bytes()`` against it section by section.
 The formulas mirror ``ext/engine/paged_state.cpp`` and ``ext/engine/scratch.cpp``.
+``plan_device_memory`` is the same for the GPU engine (``ext/gpu/engine_gpu.cu``), whose device
+allocations are the CPU engine's paged state plus its own inputs, scratch and a weights copy.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 from .config import PAGE_TOKENS, RING_ROWS, DS4Config
 
 SECTIONS = ("rings", "compressor_state", "pages", "block_tables", "scratch", "weights_mapped")
+DEVICE_SECTIONS = ("rings", "compressor_state", "pages", "step_inputs", "scratch", "weights_device")
 _F16 = 2
 _F32 = 4
 _ALIGN = 64  # every scratch buffer starts on a cache line
@@ -79,6 +82,88 @@ def plan_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_tokens:
         "weights_mapped": int(weights_bytes),
     }
     return MemoryPlan(sections=sections, n_pages=n_pages, total=sum(sections.values()))
+
+
+def plan_device_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_tokens: int | None = None,
+                       max_rows: int = 16, weights_bytes: int = 0) -> MemoryPlan:
+    """The GPU engine's device allocations (``GpuEngine.allocated_bytes()`` equals these sections).
+
+    rings, compressor_state and pages are ``plan_memory``'s (the same layout in device memory).
+    With R = max_rows and B = ceil(max_ctx / 128):
+
+    - step_inputs = (10 * R + R * B) * 4: the int32 arrays one host-to-device copy refreshes each
+      step (ten per-lane or per-slot arrays, then up to R block-table rows).
+    - scratch = sum over ``_device_scratch_buffers`` of bytes rounded up to 256.
+    - weights_device = weights_bytes (the whole model file is copied to the device once).
+    """
+    host = plan_memory(cfg, max_slots=max_slots, max_ctx=max_ctx, kv_pool_tokens=kv_pool_tokens,
+                       max_rows=max_rows, weights_bytes=weights_bytes)
+    blocks = -(-max_ctx // PAGE_TOKENS)
+    sections = {
+        "rings": host.sections["rings"],
+        "compressor_state": host.sections["compressor_state"],
+        "pages": host.sections["pages"],
+        "step_inputs": (10 * max_rows + max_rows * blocks) * 4,
+        "scratch": sum(-(-b // _DEVICE_ALIGN) * _DEVICE_ALIGN
+                       for _, b in _device_scratch_buffers(cfg, max_rows, max_ctx)),
+        "weights_device": int(weights_bytes),
+    }
+    return MemoryPlan(sections=sections, n_pages=host.n_pages, total=sum(sections.values()))
+
+
+_DEVICE_ALIGN = 256
+
+
+def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list[tuple[str, int]]:
+    """The GPU engine's scratch buffers in allocation order: (name, bytes). Mirrors carve_scratch."""
+    R = max_rows
+    d, hc, hd, nh = cfg.n_embd, cfg.hc_mult, cfg.head_dim, cfg.n_head
+    ihd, inh, K, F = cfg.index_head_dim, cfg.index_n_heads, cfg.n_expert_used, cfg.expert_ffn
+    csa = 4 in cfg.compress_ratios
+    hca = 128 in cfg.compress_ratios
+    cw = 2 * hd if csa else (hd if hca else 0)
+    icw = 2 * ihd if csa else 0
+    n_idx = max_ctx // 4 if csa else 0
+    n_sel = min(cfg.index_topk, max_ctx // 4) if csa else 0
+    shared = cfg.n_expert_shared == 1
+    return [
+        ("x_hc", 4 * R * hc * d),
+        ("hc_mix", 4 * R * (2 + hc) * hc),
+        ("hc_post", 4 * R * hc),
+        ("hc_comb", 4 * R * hc * hc),
+        ("u", 4 * R * d),
+        ("q_lat", 4 * R * cfg.q_lora_rank),
+        ("q", 4 * R * nh * hd),
+        ("kv", 4 * R * hd),
+        ("kv16", 2 * R * hd),
+        ("comp_kv", 4 * R * cw),
+        ("comp_sc", 4 * R * cw),
+        ("idx_q", 4 * R * inh * ihd if csa else 0),
+        ("idx_w", 4 * R * inh if csa else 0),
+        ("idx_kv", 4 * R * icw),
+        ("idx_sc", 4 * R * icw),
+        ("attn_out", 4 * R * nh * hd),
+        ("o_low", 4 * R * cfg.o_groups * cfg.o_lora_rank),
+        ("y", 4 * R * d),
+        ("router", 4 * R * cfg.n_expert),
+        ("sel_w", 4 * R * K),
+        ("sel_id", 4 * R * K),
+        ("pair_row", 4 * R * K),
+        ("sorted_pairs", 4 * R * K),
+        ("parts", 12 * R * K),
+        ("n_parts", 4),
+        ("ex_gate", 4 * R * K * F),
+        ("ex_up", 4 * R * K * F),
+        ("ex_down", 4 * R * K * d),
+        ("sh_gate", 4 * R * F if shared else 0),
+        ("sh_up", 4 * R * F if shared else 0),
+        ("sh_down", 4 * R * d if shared else 0),
+        ("comp_sel", 4 * R * n_sel),
+        ("idx_scores", 4 * R * n_idx),
+        ("head_in", 4 * R * d),
+        ("logits", 4 * R * cfg.n_vocab),
+        ("rope_inv_freq", 8 * cfg.n_layer * (cfg.rope_dim // 2)),
+    ]
 
 
 def _padded(elems: int) -> int:

@@ -8,7 +8,8 @@ Backends:
 - ``reference``: the numpy oracle (``reference.Reference``), one ``SeqState`` per slot, honouring
   the same plans (lanes in order, logits where asked). It keeps each sequence's own history, so
   block tables are ignored; it is for tests and tiny models.
-- ``cuda`` / ``hip``: the GPU engine, available only in a module built with ``DS4_GPU``.
+- ``cuda`` / ``hip``: the GPU engine (``_native.GpuEngine``: weights and paged state in device memory),
+  available in a module built with ``DS4_GPU=cuda|hip`` on a machine with a device.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .config import DS4Config
-from .memory import MemoryPlan, plan_memory
+from .memory import MemoryPlan, plan_device_memory, plan_memory
 from .plan import StepLimits, StepPlan
 
 if TYPE_CHECKING:
@@ -82,9 +83,10 @@ class Runner:
         self.max_ctx = max_ctx
         self.max_rows = max_rows
         self.limits = limits
-        self.memory_plan: MemoryPlan = plan_memory(config, max_slots=max_slots, max_ctx=max_ctx,
-                                                   kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
-                                                   weights_bytes=model.file_size)
+        planner = plan_device_memory if backend in ("cuda", "hip") else plan_memory
+        self.memory_plan: MemoryPlan = planner(config, max_slots=max_slots, max_ctx=max_ctx,
+                                               kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
+                                               weights_bytes=model.file_size)
         self.n_pages = self.memory_plan.n_pages
         self.kv_pool_tokens = kv_pool_tokens
 
@@ -102,8 +104,16 @@ class Runner:
                 raise BackendUnavailable(
                     f"backend {backend!r} is not available: ds4_app.engine._native was built with "
                     f"DS4_GPU={built}; rebuild with DS4_GPU={backend}")
-            raise BackendUnavailable(f"backend {backend!r}: the {backend} step executor is not in the engine yet")
+            if not _native.gpu_available():
+                raise BackendUnavailable(f"backend {backend!r} is not available: no {backend} device is visible "
+                                         f"to this process")
         tensors = [(t.name, t.ggml_type, t.ne, t.offset) for t in model.tensors.values()]
+        if backend in ("cuda", "hip"):
+            self._impl = _native.GpuEngine(config, str(model.path), tensors, max_slots=max_slots, max_ctx=max_ctx,
+                                           n_pages=self.n_pages, max_rows=max_rows)
+            self.n_threads = 1
+            self.device = f"{backend} ({self._impl.device_name})"
+            return
         self._impl = _native.Engine(config, str(model.path), tensors, max_slots=max_slots, max_ctx=max_ctx,
                                     n_pages=self.n_pages, max_rows=max_rows, n_threads=n_threads)
         self.n_threads = self._impl.n_threads

@@ -2,9 +2,7 @@
 #
 #     include "../gpu/binding_hooks.pxi"        (after _weight_type and _as_bytes are defined)
 #
-# and to list in its _testing namespace: gpu_matmul=_t_gpu_matmul,
-# gpu_matmul_grouped=_t_gpu_matmul_grouped, gpu_rms_norm=_t_gpu_rms_norm, gpu_embed=_t_gpu_embed,
-# gpu_rope_tail=_t_gpu_rope_tail, gpu_attention_sink=_t_gpu_attention_sink, gpu_argmax=_t_gpu_argmax
+# whose _testing namespace takes the gpu_* hooks listed in _GPU_TESTING at the end of this file
 # (tests/gpu/test_gpu_kernels.py uses them). "../gpu/ds4_gpu.h" resolves through the ext/include
 # include path in every build; without a GPU backend the header's inline stand-ins raise
 # RuntimeError, so the same binding builds with DS4_GPU=off, cuda and hip. Each hook validates
@@ -193,3 +191,16 @@ def _t_gpu_argmax(X):
     with nogil:
         gpu_argmax_rows(&xv[0, 0], rows, n, &ov[0])
     return out
+
+
+# The names _native.pyx adds to its _testing namespace (vars(_testing).update(_GPU_TESTING));
+# engine_binding.pxi adds its own.
+_GPU_TESTING = dict(
+    gpu_matmul=_t_gpu_matmul,
+    gpu_matmul_grouped=_t_gpu_matmul_grouped,
+    gpu_rms_norm=_t_gpu_rms_norm,
+    gpu_embed=_t_gpu_embed,
+    gpu_rope_tail=_t_gpu_rope_tail,
+    gpu_attention_sink=_t_gpu_attention_sink,
+    gpu_argmax=_t_gpu_argmax,
+)

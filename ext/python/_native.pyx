@@ -493,6 +493,10 @@ def _t_pool_throw(int n_threads, int64_t n, int64_t bad):
         ds4_testing_pool_throw(n_threads, n, bad)
 
 
+include "../gpu/binding_hooks.pxi"
+include "../gpu/engine_binding.pxi"
+
+
 _testing = types.SimpleNamespace(
     dequantize=_t_dequantize,
     matmul=_t_matmul,
@@ -503,3 +507,4 @@ _testing = types.SimpleNamespace(
     pool_throw=_t_pool_throw,
     export_slot_state=_t_export_slot_state,
 )
+vars(_testing).update(_GPU_TESTING)

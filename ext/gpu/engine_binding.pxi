@@ -1,0 +1,180 @@
+# The GPU step executor (ext/gpu/engine_gpu.h) for ext/python/_native.pyx to include, after
+# _model_config, _check_range, _check_slots, _f16_rows and _f32_states are defined:
+#
+#     include "../gpu/engine_binding.pxi"
+#
+# GpuEngine has the Python interface of Engine (step, reset_slot, allocated_bytes) plus
+# device_name; _t_gpu_export_slot_state is the GPU twin of _t_export_slot_state. Without a GPU
+# backend the C++ constructor throws, so the class exists in every build and raises RuntimeError.
+
+cdef extern from "../gpu/engine_gpu.h" nogil:
+    cdef cppclass CGpuEngine "ds4::gpu::GpuEngine":
+        CGpuEngine(const ModelConfig& cfg, const string& gguf_path, const vector[WeightEntry]& weights,
+                   const EngineOptions& opts) except +
+        void step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+                  const int32_t* lane_logits, int n_tables, const int32_t* table_slot,
+                  const int32_t* block_table, int max_blocks, float* logits_out) except +
+        void reset_slot(int slot) except +
+        SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks,
+                                          int64_t n_tokens) except +
+        vector[pair[string, uint64_t]] allocated_bytes() except +
+        string device_name() except +
+
+
+cdef class GpuEngine:
+    """One loaded DS4 model with its paged state on the GPU (ds4::gpu::GpuEngine).
+
+    Same arguments and methods as Engine (no n_threads): the weights are uploaded to device memory
+    once, the rings, compressor states and pages live there, and step() returns the logits on the
+    host. RuntimeError when this build has no GPU backend or no device is visible.
+    """
+
+    cdef CGpuEngine* _eng
+    cdef readonly int n_vocab, max_slots, max_ctx, n_pages, max_rows
+    cdef readonly object config, device_name
+
+    def __cinit__(self):
+        self._eng = NULL
+
+    def __init__(self, config, gguf_path, tensors, *, int max_slots, int max_ctx, int n_pages, int max_rows=16):
+        if self._eng != NULL:
+            raise RuntimeError("GpuEngine is already initialised")
+        if max_slots < 1 or max_ctx < 1 or n_pages < 0 or max_rows < 1:
+            raise ValueError(f"GpuEngine options out of range: max_slots={max_slots} max_ctx={max_ctx} "
+                             f"n_pages={n_pages} max_rows={max_rows}")
+        cdef ModelConfig cfg = _model_config(config)
+        cdef vector[WeightEntry] weights
+        cdef WeightEntry w
+        cdef int i
+        for name, ggml_type, ne, offset in tensors:
+            ne = tuple(int(x) for x in ne)
+            if not 1 <= len(ne) <= 4:
+                raise ValueError(f"tensor {name}: {len(ne)} dims, expected 1 to 4")
+            w.name = name.encode()
+            w.type = int(ggml_type)
+            for i in range(4):
+                w.ne[i] = ne[i] if i < len(ne) else 1
+            w.offset = int(offset)
+            weights.push_back(w)
+        cdef EngineOptions opts
+        opts.max_slots = max_slots
+        opts.max_ctx = max_ctx
+        opts.n_pages = n_pages
+        opts.max_rows = max_rows
+        opts.n_threads = 1
+        cdef string path = os.fsencode(os.fspath(gguf_path))
+        cdef CGpuEngine* eng
+        with nogil:
+            eng = new CGpuEngine(cfg, path, weights, opts)
+        self._eng = eng
+        self.config = config
+        self.n_vocab = cfg.n_vocab
+        self.max_slots = max_slots
+        self.max_ctx = max_ctx
+        self.n_pages = n_pages
+        self.max_rows = max_rows
+        self.device_name = bytes(eng.device_name()).decode()
+
+    def __dealloc__(self):
+        if self._eng != NULL:
+            del self._eng
+            self._eng = NULL
+
+    cdef CGpuEngine* _get(self) except NULL:
+        if self._eng == NULL:
+            raise RuntimeError("GpuEngine is not initialised")
+        return self._eng
+
+    def step(self, plan):
+        """Run one step of a StepPlan; returns float32 logits [plan.n_logits, n_vocab] in lane order."""
+        cdef CGpuEngine* eng = self._get()
+        lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
+        lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
+        lane_pos = np.ascontiguousarray(plan.lane_pos, dtype=np.int32)
+        lane_logits = np.ascontiguousarray(plan.lane_logits, dtype=np.int32)
+        table_slot = np.ascontiguousarray(plan.table_slot, dtype=np.int32)
+        block_table = np.ascontiguousarray(plan.block_table, dtype=np.int32)
+        _validate_plan(lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table, self.max_rows,
+                       self.max_slots, self.n_vocab, self.max_ctx, self.n_pages)
+        cdef int n_lanes = lane_slot.shape[0]
+        cdef int n_tables = table_slot.shape[0]
+        cdef int max_blocks = block_table.shape[1]
+        out = np.empty((int(lane_logits.sum()), self.n_vocab), dtype=np.float32)
+        if n_lanes == 0:
+            return out
+        cdef const int32_t[::1] ls = lane_slot
+        cdef const int32_t[::1] lt = lane_token
+        cdef const int32_t[::1] lp = lane_pos
+        cdef const int32_t[::1] ll = lane_logits
+        cdef const int32_t[::1] ts = table_slot
+        cdef const int32_t[::1] bt = block_table.reshape(-1)
+        cdef float[:, ::1] o = out
+        cdef int32_t empty_table = -1
+        cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
+        cdef float dummy_out = 0
+        cdef float* o_ptr = &o[0, 0] if o.shape[0] > 0 else &dummy_out
+        with nogil:
+            eng.step(n_lanes, &ls[0], &lt[0], &lp[0], &ll[0], n_tables, &ts[0], bt_ptr, max_blocks, o_ptr)
+        return out
+
+    def reset_slot(self, int slot):
+        """Forget everything a slot held, so a new sequence starts clean in it."""
+        cdef CGpuEngine* eng = self._get()
+        if not 0 <= slot < self.max_slots:
+            raise ValueError(f"slot {slot} is out of range 0..{self.max_slots - 1}")
+        with nogil:
+            eng.reset_slot(slot)
+
+    def allocated_bytes(self):
+        """Device bytes by section (see ds4::gpu::GpuEngine::allocated_bytes)."""
+        cdef CGpuEngine* eng = self._get()
+        cdef vector[pair[string, uint64_t]] items = eng.allocated_bytes()
+        return {bytes(k).decode(): int(v) for k, v in items}
+
+
+def _validate_plan(lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table, int max_rows,
+                   int max_slots, int n_vocab, int max_ctx, int n_pages):
+    """Engine._validate for engines other than Engine: one-line ValueErrors before native code runs."""
+    n = lane_slot.shape[0]
+    if lane_slot.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in (lane_token, lane_pos, lane_logits)):
+        raise ValueError("StepPlan lane arrays must be 1-D of one length")
+    if n > max_rows:
+        raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={max_rows}")
+    if table_slot.ndim != 1 or block_table.ndim != 2 or block_table.shape[0] != table_slot.shape[0]:
+        raise ValueError("StepPlan.block_table must have one row per table_slot")
+    _check_range("lane_slot", lane_slot, 0, max_slots)
+    _check_range("table_slot", table_slot, 0, max_slots)
+    _check_range("lane_token", lane_token, 0, n_vocab)
+    _check_range("lane_pos", lane_pos, 0, max_ctx)
+    _check_range("lane_logits", lane_logits, 0, 2)
+    _check_range("block_table", block_table.reshape(-1), -1, n_pages)
+    _check_slots(lane_slot, lane_pos, table_slot, max_slots)
+
+
+def _t_gpu_export_slot_state(GpuEngine engine, int slot, block_table, int64_t n_tokens):
+    """_t_export_slot_state for a GpuEngine: the same dict, read back from device memory."""
+    cdef CGpuEngine* eng = engine._get()
+    cfg = engine.config
+    table = np.ascontiguousarray(block_table, dtype=np.int32).reshape(-1)
+    cdef const int32_t[::1] bt = table
+    cdef int32_t empty_table = -1
+    cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
+    cdef int max_blocks = bt.shape[0]
+    cdef SlotStateExport ex
+    with nogil:
+        ex = eng.export_slot_state(slot, bt_ptr, max_blocks, n_tokens)
+    hd, ihd = cfg.head_dim, cfg.index_head_dim
+    attn_shapes = [(8, 2 * hd) if r == 4 else (128, hd) for r in cfg.compress_ratios]
+    idx_shapes = [(8, 2 * ihd)] * cfg.n_layer
+    return {
+        "ring": _f16_rows(ex.ring, hd),
+        "comp": _f16_rows(ex.comp, hd),
+        "idx_keys": _f16_rows(ex.index, ihd),
+        "kv_state": _f32_states(ex.attn_kv, attn_shapes),
+        "score_state": _f32_states(ex.attn_score, attn_shapes),
+        "idx_kv_state": _f32_states(ex.index_kv, idx_shapes),
+        "idx_score_state": _f32_states(ex.index_score, idx_shapes),
+    }
+
+
+_GPU_TESTING.update(gpu_export_slot_state=_t_gpu_export_slot_state)

@@ -1,0 +1,854 @@
+// The DS4 step executor on a GPU (engine_gpu.h): device weights, device paged state, and the
+// step as a chain of kernels on one stream. Host code only; the kernels are matvec.cu (weight
+// products), ops.cu (RMSNorm, embedding), lane_ops.cu and paged_ops.cu (step_ops.h).
+//
+// Per layer, as ext/engine/engine.cpp:
+//   (A) batched over lanes: mHC pre, attn_norm, q_a -> q_norm -> q_b, per-head norm + RoPE,
+//       kv -> kv_norm -> RoPE (-> FP8) -> f16 rows, compressor and indexer projections (+ ape);
+//   (B) per slot: compressors (each slot's lanes in order, emitting finished rows into pages),
+//       indexer scores and top-k, gathered attention (window rows of this step from the step's
+//       f16 rows, older ones from the ring), then the ring rows;
+//   (C) batched: grouped output projection, mHC post, then the FFN site (mHC pre, ffn_norm,
+//       router, expert-grouped gate/up/down, shared expert, mHC post).
+// Then hc_head, output_norm and the LM head for the lanes that asked for logits.
+//
+// Device memory, by section (ds4_app/engine/memory.py plan_device_memory mirrors every formula):
+//   rings, compressor_state, pages: the CPU engine's layout (paged_state.h), byte for byte;
+//   step_inputs: one int32 buffer refreshed by one host-to-device copy per step: 10 arrays of
+//     max_rows (lane slot, token, position, group, group start position; lane order by slot;
+//     group first, length, slot; logit lanes) then max_rows block-table rows of max_blocks;
+//   scratch: the activations (device_scratch below, each buffer rounded up to 256 bytes);
+//   weights_device: the GGUF file's bytes (tensor views point into it at their file offsets).
+#include "engine_gpu.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <limits>
+#include <string>
+
+#include "../engine/paged_state.h"
+#include "../engine/weights.h"
+#include "common.cuh"
+#include "ds4_gpu.h"
+#include "step_ops.h"
+
+namespace ds4::gpu {
+
+namespace {
+
+// A device allocation that frees itself.
+class DeviceMemory {
+ public:
+  DeviceMemory() = default;
+  explicit DeviceMemory(uint64_t bytes) : bytes_(bytes) {
+    if (bytes_ > 0) DS4_GPU_CHECK(cudaMalloc(&ptr_, bytes_));
+  }
+  ~DeviceMemory() {
+    if (ptr_) (void)cudaFree(ptr_);
+  }
+  DeviceMemory(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(const DeviceMemory&) = delete;
+  DeviceMemory& operator=(DeviceMemory&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
+    return *this;
+  }
+  uint8_t* data() const { return static_cast<uint8_t*>(ptr_); }
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
+};
+
+// Pinned host memory (the per-step upload buffer).
+class PinnedMemory {
+ public:
+  PinnedMemory() = default;
+  explicit PinnedMemory(uint64_t bytes) {
+    if (bytes > 0) DS4_GPU_CHECK(cudaMallocHost(&ptr_, bytes));
+  }
+  ~PinnedMemory() {
+    if (ptr_) (void)cudaFreeHost(ptr_);
+  }
+  PinnedMemory(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(const PinnedMemory&) = delete;
+  PinnedMemory& operator=(PinnedMemory&& o) noexcept {
+    std::swap(ptr_, o.ptr_);
+    return *this;
+  }
+  int32_t* ints() const { return static_cast<int32_t*>(ptr_); }
+
+ private:
+  void* ptr_ = nullptr;
+};
+
+constexpr uint64_t kScratchAlign = 256;
+constexpr int kExpertPart = 8;  // pairs per part of the grouped expert products (matvec.cuh's kMaxPartCols)
+
+void check_config(const ModelConfig& c, const EngineOptions& o) {
+  auto need = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::invalid_argument(msg);
+  };
+  // The CPU engine's checks (ext/engine/engine.cpp), same messages.
+  need(c.n_layer >= 1 && static_cast<int>(c.compress_ratios.size()) == c.n_layer,
+       "compress_ratios needs one entry per layer");
+  need(static_cast<int>(c.rope_inv_freqs.size()) == c.n_layer, "rope_inv_freqs needs one table per layer");
+  for (const auto& t : c.rope_inv_freqs)
+    need(static_cast<int>(t.size()) == c.rope_dim / 2, "each rope_inv_freqs table needs rope_dim/2 entries");
+  need(static_cast<int>(c.swiglu_clamp_exp.size()) == c.n_layer &&
+           static_cast<int>(c.swiglu_clamp_shexp.size()) == c.n_layer,
+       "swiglu clamps need one value per layer");
+  for (int r : c.compress_ratios) need(r == 0 || r == 4 || r == 128, "compress ratios must be 0, 4 or 128");
+  need(c.sliding_window == kRingRows, "the paged engine needs sliding_window = 128");
+  need(c.rope_dim % 2 == 0 && c.rope_dim > 0 && c.rope_dim <= c.head_dim && c.rope_dim / 2 <= 256,
+       "rope_dim must be even, positive, at most head_dim and 512");
+  need(c.n_head >= 1 && c.o_groups >= 1 && c.n_head % c.o_groups == 0, "n_head must be a multiple of o_groups");
+  need(c.n_expert >= 1 && c.n_expert_used >= 1 && c.n_expert_used <= c.n_expert, "bad expert counts");
+  need(c.n_expert_shared == 0 || c.n_expert_shared == 1, "n_expert_shared must be 0 or 1");
+  const bool csa = std::count(c.compress_ratios.begin(), c.compress_ratios.end(), 4) > 0;
+  if (csa) {
+    need(c.index_head_dim >= c.rope_dim && (c.index_head_dim & (c.index_head_dim - 1)) == 0,
+         "index_head_dim must be a power of two >= rope_dim");
+    need(c.index_n_heads >= 1 && c.index_topk >= 1, "the indexer needs heads and a top-k");
+  }
+  if (c.qat_numerics) {
+    need((c.head_dim - c.rope_dim) % 64 == 0, "qat_numerics needs head_dim - rope_dim to be a multiple of 64");
+    need(!csa || c.index_head_dim % 32 == 0, "qat_numerics needs index_head_dim to be a multiple of 32");
+  }
+  need(o.max_slots >= 1 && o.max_ctx >= 1 && o.n_pages >= 0 && o.max_rows >= 1, "bad engine options");
+  // The GPU kernels' own limits.
+  auto gpu = [](bool ok, const std::string& msg) {
+    if (!ok) throw std::runtime_error("GPU engine: " + msg);
+  };
+  gpu(c.head_dim % 8 == 0 && c.head_dim <= 512, "head_dim must be a multiple of 8, at most 512");
+  gpu(c.hc_mult >= 1 && c.hc_mult <= kMaxHcDev, "hc_mult must be 1..16");
+  gpu(c.n_expert_used <= kMaxExpertUsed, "n_expert_used must be at most 32");
+  gpu(c.n_expert <= 4096, "n_expert must be at most 4096");
+  gpu(c.n_embd % 4 == 0 && c.q_lora_rank % 4 == 0 && c.expert_ffn % 4 == 0 && c.o_lora_rank % 4 == 0,
+      "n_embd, q_lora_rank, expert_ffn and o_lora_rank must be multiples of 4");
+  if (csa) {
+    gpu(c.index_head_dim >= 32 && c.index_head_dim <= 512, "index_head_dim must be 32..512");
+    gpu(static_cast<int64_t>(c.index_n_heads) * c.index_head_dim + c.index_n_heads <= 12 * 1024,
+        "index_n_heads x index_head_dim must be at most 12000");
+  }
+}
+
+// Per-layer offsets of the paged state: the CPU's PagedState layout (paged_state.cpp).
+struct Layout {
+  struct Layer {
+    int ratio = 0;
+    uint64_t state_off = 0;
+    int attn_rows = 0, attn_width = 0, idx_rows = 0, idx_width = 0;
+    uint64_t comp_off = 0, idx_off = 0;
+  };
+  std::vector<Layer> layers;
+  uint64_t state_per_slot = 0, page_elems = 0;
+
+  explicit Layout(const ModelConfig& cfg) {
+    const uint64_t hd = cfg.head_dim, ihd = cfg.index_head_dim;
+    layers.resize(cfg.n_layer);
+    for (int l = 0; l < cfg.n_layer; ++l) {
+      Layer& L = layers[l];
+      L.ratio = cfg.compress_ratios[l];
+      L.state_off = state_per_slot;
+      L.comp_off = page_elems;
+      if (L.ratio == 4) {
+        L.attn_rows = 8;
+        L.attn_width = static_cast<int>(2 * hd);
+        L.idx_rows = 8;
+        L.idx_width = static_cast<int>(2 * ihd);
+        state_per_slot += 2ull * L.attn_rows * L.attn_width + 2ull * L.idx_rows * L.idx_width;
+        L.idx_off = L.comp_off + (kPageTokens / 4) * hd;
+        page_elems += (kPageTokens / 4) * (hd + ihd);
+      } else if (L.ratio == 128) {
+        L.attn_rows = 128;
+        L.attn_width = static_cast<int>(hd);
+        state_per_slot += 2ull * L.attn_rows * L.attn_width;
+        page_elems += hd;
+      }
+    }
+  }
+};
+
+}  // namespace
+
+struct GpuEngine::Impl {
+  Impl(const ModelConfig& c, const std::string& path, const std::vector<WeightEntry>& entries, const EngineOptions& o);
+  ~Impl();
+
+  ModelConfig cfg;
+  EngineOptions opts;
+  MappedFile file;
+  ModelWeights hw;  // host views (validation, and the layout the device views copy)
+  ModelWeights dw;  // the same views into device memory
+  Layout layout;
+  int max_blocks = 0;
+  bool csa = false, hca = false;
+  cudaStream_t stream = nullptr;
+
+  DeviceMemory weights, rings, states, pages, inputs, arena;
+  PinnedMemory pinned;
+  std::vector<float> slot_reset;      // one slot's compressor state as reset_slot leaves it
+  std::vector<int32_t> tables;        // host block tables [slot][max_blocks]
+  std::vector<int32_t> page_owner;    // per page: its slot in the current step
+
+  // Scratch (device pointers into arena).
+  int64_t cw = 0, icw = 0, n_idx = 0, n_sel = 0;
+  float *x_hc, *mix_buf, *post_buf, *comb_buf, *u, *q_lat, *q, *kvf, *comp_kv, *comp_sc, *idx_q, *idx_w, *idx_kv,
+      *idx_sc, *attn_out, *o_low, *y, *router, *sel_w, *ex_gate, *ex_up, *ex_down, *sh_gate, *sh_up, *sh_down,
+      *idx_scores, *head_in, *logits;
+  uint16_t* kv16;
+  int32_t *sel_id, *pair_row, *sorted_pairs, *n_parts, *comp_sel;
+  ExpertPart* parts;
+  double* inv_freq;
+
+  StepLanes lanes;  // device views of the step inputs
+  const int32_t* logit_lanes_dev = nullptr;
+
+  // Host copies of the step structure (validate_and_group).
+  std::vector<int32_t> order, group_first, group_len, group_slot, lane_group, lane_t0, logit_lanes;
+  int n_groups = 0, n = 0;
+  const int32_t* pos = nullptr;
+  const int32_t* slot_of = nullptr;
+
+  const double* freqs(int l) const { return inv_freq + static_cast<int64_t>(l) * (cfg.rope_dim / 2); }
+  template <class T>
+  T* dev(T* host) const {
+    if (host == nullptr) return nullptr;
+    return reinterpret_cast<T*>(weights.data() + (reinterpret_cast<const uint8_t*>(host) - file.data()));
+  }
+  TensorView dev(const TensorView& v) const {
+    TensorView d = v;
+    d.data = v.data ? weights.data() + (v.data - file.data()) : nullptr;
+    return d;
+  }
+  ModelWeights device_views() const;
+  void carve_scratch();
+  void validate_and_group(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+                          int n_tables, const int32_t* table_slot, const int32_t* block_table, int max_blocks_in);
+  void check_pages();
+  void reset(int slot);
+  void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
+  void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
+    matvec(W, X, ncols, ldx, Y, ldy, stream);
+  }
+  void hc_pre_site(const HcWeights& w);
+  void attention_layer(int l);
+  void ffn_layer(int l);
+  int head(float* logits_out);
+};
+
+GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::vector<WeightEntry>& entries,
+                      const EngineOptions& o)
+    : cfg((check_config(c, o), c)), opts(o), file(path), hw(bind_weights(cfg, file, entries)), layout(cfg) {
+  if (!available()) throw std::runtime_error("GPU engine: no GPU device is visible");
+  csa = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 4) > 0;
+  hca = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 128) > 0;
+  max_blocks = (opts.max_ctx + kPageTokens - 1) / kPageTokens;
+  DS4_GPU_CHECK(cudaStreamCreate(&stream));
+
+  // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
+  weights = DeviceMemory(file.size());
+  constexpr uint64_t kPiece = 256ull << 20;
+  for (uint64_t off = 0; off < file.size(); off += kPiece)
+    DS4_GPU_CHECK(cudaMemcpy(weights.data() + off, file.data() + off, std::min(kPiece, file.size() - off),
+                             cudaMemcpyHostToDevice));
+  dw = device_views();
+
+  // Paged state, as PagedState allocates it (zeroed, then every slot reset).
+  const int S = opts.max_slots;
+  rings = DeviceMemory(2ull * cfg.n_layer * S * kRingRows * cfg.head_dim);
+  states = DeviceMemory(4ull * layout.state_per_slot * S);
+  pages = DeviceMemory(2ull * layout.page_elems * opts.n_pages);
+  if (rings.bytes()) DS4_GPU_CHECK(cudaMemset(rings.data(), 0, rings.bytes()));
+  if (pages.bytes()) DS4_GPU_CHECK(cudaMemset(pages.data(), 0, pages.bytes()));
+  slot_reset.assign(layout.state_per_slot, 0.0f);
+  for (const Layout::Layer& L : layout.layers) {
+    if (L.ratio == 0) continue;
+    const uint64_t na = static_cast<uint64_t>(L.attn_rows) * L.attn_width;
+    const uint64_t ni = static_cast<uint64_t>(L.idx_rows) * L.idx_width;
+    std::fill_n(slot_reset.begin() + L.state_off + na, na, -std::numeric_limits<float>::infinity());
+    std::fill_n(slot_reset.begin() + L.state_off + 2 * na + ni, ni, -std::numeric_limits<float>::infinity());
+  }
+  tables.assign(static_cast<size_t>(S) * max_blocks, -1);
+  page_owner.assign(std::max(opts.n_pages, 1), -1);
+  for (int s = 0; s < S; ++s) reset(s);
+
+  // Step inputs: 10 arrays of max_rows, then max_rows table rows.
+  const uint64_t R = opts.max_rows;
+  const uint64_t in_ints = 10 * R + R * max_blocks;
+  inputs = DeviceMemory(4 * in_ints);
+  pinned = PinnedMemory(4 * in_ints);
+  const int32_t* in = reinterpret_cast<const int32_t*>(inputs.data());
+  lanes.slot = in;
+  lanes.token = in + R;
+  lanes.pos = in + 2 * R;
+  lanes.group = in + 3 * R;
+  lanes.t0 = in + 4 * R;
+  lanes.order = in + 5 * R;
+  lanes.grp_first = in + 6 * R;
+  lanes.grp_len = in + 7 * R;
+  lanes.grp_slot = in + 8 * R;
+  logit_lanes_dev = in + 9 * R;
+  lanes.tables = in + 10 * R;
+  lanes.max_blocks = max_blocks;
+
+  carve_scratch();
+  order.resize(R);
+  group_first.resize(R);
+  group_len.resize(R);
+  group_slot.resize(R);
+  lane_group.resize(R);
+  lane_t0.resize(R);
+  logit_lanes.resize(R);
+}
+
+GpuEngine::Impl::~Impl() {
+  if (stream) (void)cudaStreamDestroy(stream);
+}
+
+ModelWeights GpuEngine::Impl::device_views() const {
+  ModelWeights d = hw;
+  auto hc = [&](HcWeights& h) {
+    h.fn = dev(h.fn);
+    h.base = dev(h.base);
+    h.scale = dev(h.scale);
+  };
+  auto comp = [&](CompressorWeights& c) {
+    c.kv = dev(c.kv);
+    c.gate = dev(c.gate);
+    c.ape = dev(c.ape);
+    c.norm = dev(c.norm);
+  };
+  d.embed = dev(d.embed);
+  d.output = dev(d.output);
+  d.output_norm = dev(d.output_norm);
+  hc(d.hc_head);
+  for (LayerWeights& L : d.layers) {
+    hc(L.hc_attn);
+    hc(L.hc_ffn);
+    L.attn_norm = dev(L.attn_norm);
+    L.ffn_norm = dev(L.ffn_norm);
+    L.q_a = dev(L.q_a);
+    L.q_b = dev(L.q_b);
+    L.kv = dev(L.kv);
+    L.wo_a = dev(L.wo_a);
+    L.wo_b = dev(L.wo_b);
+    L.q_norm = dev(L.q_norm);
+    L.kv_norm = dev(L.kv_norm);
+    L.sinks = dev(L.sinks);
+    comp(L.comp);
+    L.idx_q_b = dev(L.idx_q_b);
+    L.idx_proj = dev(L.idx_proj);
+    comp(L.idx_comp);
+    L.gate_inp = dev(L.gate_inp);
+    L.exp_bias = dev(L.exp_bias);
+    L.tid2eid = dev(L.tid2eid);
+    L.gate_exps = dev(L.gate_exps);
+    L.up_exps = dev(L.up_exps);
+    L.down_exps = dev(L.down_exps);
+    L.gate_sh = dev(L.gate_sh);
+    L.up_sh = dev(L.up_sh);
+    L.down_sh = dev(L.down_sh);
+  }
+  return d;
+}
+
+// The scratch buffers in allocation order (memory.py _device_scratch_buffers mirrors this list).
+void GpuEngine::Impl::carve_scratch() {
+  const int64_t R = opts.max_rows, d = cfg.n_embd, hc = cfg.hc_mult, hd = cfg.head_dim, nh = cfg.n_head;
+  const int64_t ihd = cfg.index_head_dim, inh = cfg.index_n_heads, K = cfg.n_expert_used, F = cfg.expert_ffn;
+  const int64_t mix = (2 + hc) * hc;
+  cw = csa ? 2 * hd : (hca ? hd : 0);
+  icw = csa ? 2 * ihd : 0;
+  n_idx = csa ? opts.max_ctx / 4 : 0;
+  n_sel = csa ? std::min<int64_t>(cfg.index_topk, opts.max_ctx / 4) : 0;
+  const bool shared = cfg.n_expert_shared == 1;
+  struct Part {
+    void** ptr;
+    int64_t bytes;
+  };
+  const Part parts_list[] = {
+      {reinterpret_cast<void**>(&x_hc), 4 * R * hc * d},
+      {reinterpret_cast<void**>(&mix_buf), 4 * R * mix},
+      {reinterpret_cast<void**>(&post_buf), 4 * R * hc},
+      {reinterpret_cast<void**>(&comb_buf), 4 * R * hc * hc},
+      {reinterpret_cast<void**>(&u), 4 * R * d},
+      {reinterpret_cast<void**>(&q_lat), 4 * R * cfg.q_lora_rank},
+      {reinterpret_cast<void**>(&q), 4 * R * nh * hd},
+      {reinterpret_cast<void**>(&kvf), 4 * R * hd},
+      {reinterpret_cast<void**>(&kv16), 2 * R * hd},
+      {reinterpret_cast<void**>(&comp_kv), 4 * R * cw},
+      {reinterpret_cast<void**>(&comp_sc), 4 * R * cw},
+      {reinterpret_cast<void**>(&idx_q), csa ? 4 * R * inh * ihd : 0},
+      {reinterpret_cast<void**>(&idx_w), csa ? 4 * R * inh : 0},
+      {reinterpret_cast<void**>(&idx_kv), 4 * R * icw},
+      {reinterpret_cast<void**>(&idx_sc), 4 * R * icw},
+      {reinterpret_cast<void**>(&attn_out), 4 * R * nh * hd},
+      {reinterpret_cast<void**>(&o_low), 4 * R * cfg.o_groups * cfg.o_lora_rank},
+      {reinterpret_cast<void**>(&y), 4 * R * d},
+      {reinterpret_cast<void**>(&router), 4 * R * cfg.n_expert},
+      {reinterpret_cast<void**>(&sel_w), 4 * R * K},
+      {reinterpret_cast<void**>(&sel_id), 4 * R * K},
+      {reinterpret_cast<void**>(&pair_row), 4 * R * K},
+      {reinterpret_cast<void**>(&sorted_pairs), 4 * R * K},
+      {reinterpret_cast<void**>(&parts), 12 * R * K},
+      {reinterpret_cast<void**>(&n_parts), 4},
+      {reinterpret_cast<void**>(&ex_gate), 4 * R * K * F},
+      {reinterpret_cast<void**>(&ex_up), 4 * R * K * F},
+      {reinterpret_cast<void**>(&ex_down), 4 * R * K * d},
+      {reinterpret_cast<void**>(&sh_gate), shared ? 4 * R * F : 0},
+      {reinterpret_cast<void**>(&sh_up), shared ? 4 * R * F : 0},
+      {reinterpret_cast<void**>(&sh_down), shared ? 4 * R * d : 0},
+      {reinterpret_cast<void**>(&comp_sel), 4 * R * n_sel},
+      {reinterpret_cast<void**>(&idx_scores), 4 * R * n_idx},
+      {reinterpret_cast<void**>(&head_in), 4 * R * d},
+      {reinterpret_cast<void**>(&logits), 4 * R * cfg.n_vocab},
+      {reinterpret_cast<void**>(&inv_freq), 8 * static_cast<int64_t>(cfg.n_layer) * (cfg.rope_dim / 2)},
+  };
+  auto padded = [](int64_t b) { return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign); };
+  uint64_t total = 0;
+  for (const Part& p : parts_list) total += padded(p.bytes);
+  arena = DeviceMemory(total);
+  uint64_t off = 0;
+  for (const Part& p : parts_list) {
+    *p.ptr = arena.data() + off;
+    off += padded(p.bytes);
+  }
+  // Constants: the pair -> lane map of the grouped expert products, and the RoPE tables.
+  std::vector<int32_t> pr(static_cast<size_t>(R * K));
+  for (int64_t p = 0; p < R * K; ++p) pr[p] = static_cast<int32_t>(p / K);
+  DS4_GPU_CHECK(cudaMemcpy(pair_row, pr.data(), pr.size() * 4, cudaMemcpyHostToDevice));
+  std::vector<double> f;
+  for (const auto& t : cfg.rope_inv_freqs) f.insert(f.end(), t.begin(), t.end());
+  if (!f.empty()) DS4_GPU_CHECK(cudaMemcpy(inv_freq, f.data(), f.size() * 8, cudaMemcpyHostToDevice));
+}
+
+// ext/engine/engine.cpp validate_and_group, same checks and messages; also each lane's group and
+// its group's first position.
+void GpuEngine::Impl::validate_and_group(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
+                                         const int32_t* lane_pos, int n_tables, const int32_t* table_slot,
+                                         const int32_t* block_table, int max_blocks_in) {
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("step plan: " + msg); };
+  if (n_lanes > opts.max_rows)
+    fail(std::to_string(n_lanes) + " lanes exceed max_rows " + std::to_string(opts.max_rows));
+  if (n_tables < 0 || max_blocks_in < 0) fail("negative table dimensions");
+  const int stride = max_blocks;
+  for (int k = 0; k < n_tables; ++k) {
+    const int s = table_slot[k];
+    if (s < 0 || s >= opts.max_slots) fail("table slot " + std::to_string(s) + " out of range");
+    for (int j = 0; j < k; ++j)
+      if (table_slot[j] == s) fail("slot " + std::to_string(s) + " has two block-table rows");
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
+    for (int b = 0; b < max_blocks_in; ++b) {
+      if (row[b] < -1 || row[b] >= opts.n_pages)
+        fail("slot " + std::to_string(s) + " names page " + std::to_string(row[b]) + " outside the pool of " +
+             std::to_string(opts.n_pages));
+      if (b >= stride && row[b] != -1)
+        fail("slot " + std::to_string(s) + " has a page beyond max_ctx " + std::to_string(opts.max_ctx));
+    }
+  }
+  for (int i = 0; i < n_lanes; ++i) {
+    const int s = lane_slot[i];
+    bool has_table = false;
+    for (int k = 0; k < n_tables; ++k) has_table = has_table || table_slot[k] == s;
+    if (!has_table) fail("lane " + std::to_string(i) + " slot " + std::to_string(s) + " has no block-table row");
+    if (lane_token[i] < 0 || lane_token[i] >= cfg.n_vocab)
+      fail("lane " + std::to_string(i) + " token " + std::to_string(lane_token[i]) + " outside the vocabulary");
+    if (lane_pos[i] < 0 || lane_pos[i] >= opts.max_ctx)
+      fail("lane " + std::to_string(i) + " position " + std::to_string(lane_pos[i]) + " outside 0.." +
+           std::to_string(opts.max_ctx - 1));
+  }
+  std::fill(page_owner.begin(), page_owner.end(), -1);
+  for (int k = 0; k < n_tables; ++k) {
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
+    for (int b = 0; b < max_blocks_in; ++b) {
+      if (row[b] < 0) continue;
+      if (page_owner[row[b]] >= 0)
+        fail("page " + std::to_string(row[b]) + " appears twice in the block tables (slots " +
+             std::to_string(page_owner[row[b]]) + " and " + std::to_string(table_slot[k]) + ")");
+      page_owner[row[b]] = table_slot[k];
+    }
+  }
+  // Group lanes by slot, keeping lane order inside a slot; positions must run consecutively.
+  // (Checked before any table changes, so a bad plan leaves the engine as it was.)
+  n_groups = 0;
+  int filled = 0;
+  for (int i = 0; i < n_lanes; ++i) {
+    bool first = true;
+    for (int j = 0; j < i; ++j) first = first && lane_slot[j] != lane_slot[i];
+    if (!first) continue;
+    group_first[n_groups] = filled;
+    group_slot[n_groups] = lane_slot[i];
+    int prev = -1;
+    for (int j = i; j < n_lanes; ++j) {
+      if (lane_slot[j] != lane_slot[i]) continue;
+      if (prev >= 0 && lane_pos[j] != lane_pos[prev] + 1)
+        fail("slot " + std::to_string(lane_slot[i]) + " lanes are not consecutive positions (" +
+             std::to_string(lane_pos[prev]) + " then " + std::to_string(lane_pos[j]) + ")");
+      order[filled++] = j;
+      lane_group[j] = n_groups;
+      lane_t0[j] = lane_pos[i];
+      prev = j;
+    }
+    group_len[n_groups] = filled - group_first[n_groups];
+    ++n_groups;
+  }
+  for (int k = 0; k < n_tables; ++k) {
+    int32_t* dst = tables.data() + static_cast<int64_t>(table_slot[k]) * stride;
+    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
+    for (int b = 0; b < stride; ++b) dst[b] = b < max_blocks_in ? row[b] : -1;
+  }
+}
+
+// ext/engine/engine.cpp check_pages: every page a lane reads or writes must be assigned.
+void GpuEngine::Impl::check_pages() {
+  for (int i = 0; i < n; ++i) {
+    const int64_t t = pos[i];
+    int64_t last_page = -1;
+    if (csa && (t + 1) / 4 > 0) last_page = std::max(last_page, ((t + 1) / 4 - 1) * 4 / kPageTokens);
+    if (hca && (t + 1) / 128 > 0) last_page = std::max(last_page, (t + 1) / 128 - 1);
+    const int32_t* table = tables.data() + static_cast<int64_t>(slot_of[i]) * max_blocks;
+    for (int64_t lp = 0; lp <= last_page; ++lp) {
+      if (table[lp] < 0)
+        throw std::invalid_argument("step plan: slot " + std::to_string(slot_of[i]) + " at position " +
+                                    std::to_string(t) + " needs logical page " + std::to_string(lp) +
+                                    ", which its block table leaves unassigned");
+    }
+  }
+}
+
+void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
+                                    const int32_t* lane_pos) {
+  const int64_t R = opts.max_rows;
+  int32_t* h = pinned.ints();
+  std::fill(h, h + 10 * R, 0);
+  std::copy(lane_slot, lane_slot + n_lanes, h);
+  std::copy(lane_token, lane_token + n_lanes, h + R);
+  std::copy(lane_pos, lane_pos + n_lanes, h + 2 * R);
+  std::copy(lane_group.begin(), lane_group.begin() + n_lanes, h + 3 * R);
+  std::copy(lane_t0.begin(), lane_t0.begin() + n_lanes, h + 4 * R);
+  std::copy(order.begin(), order.begin() + n_lanes, h + 5 * R);
+  std::copy(group_first.begin(), group_first.begin() + n_groups, h + 6 * R);
+  std::copy(group_len.begin(), group_len.begin() + n_groups, h + 7 * R);
+  std::copy(group_slot.begin(), group_slot.begin() + n_groups, h + 8 * R);
+  std::copy(logit_lanes.begin(), logit_lanes.end(), h + 9 * R);
+  for (int g = 0; g < n_groups; ++g)
+    std::copy_n(tables.data() + static_cast<int64_t>(group_slot[g]) * max_blocks, max_blocks,
+                h + 10 * R + static_cast<int64_t>(g) * max_blocks);
+  const uint64_t bytes = 4ull * (10 * R + static_cast<int64_t>(n_groups) * max_blocks);
+  DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
+}
+
+void GpuEngine::Impl::hc_pre_site(const HcWeights& w) {
+  const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
+  mv(w.fn, x_hc, n, hcd, mix_buf, mix);
+  hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, u,
+         post_buf, comb_buf, stream);
+}
+
+void GpuEngine::Impl::attention_layer(int l) {
+  const LayerWeights& L = dw.layers[l];
+  const Layout::Layer& LL = layout.layers[l];
+  const int64_t d = cfg.n_embd, hd = cfg.head_dim, nh = cfg.n_head, ql = cfg.q_lora_rank;
+  const int rd = cfg.rope_dim;
+  const int64_t inh = cfg.index_n_heads, ihd = cfg.index_head_dim;
+  const bool qat = cfg.qat_numerics;
+  const float eps = cfg.norm_eps;
+
+  // (A) batched projections.
+  hc_pre_site(L.hc_attn);
+  rms_norm(u, d, L.attn_norm, u, d, n, d, eps, stream);
+  mv(L.q_a, u, n, d, q_lat, ql);
+  rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream);
+  mv(L.q_b, q_lat, n, ql, q, nh * hd);
+  mv(L.kv, u, n, d, kvf, hd);
+  q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
+  kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
+  if (L.ratio > 0) {
+    const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
+    mv(L.comp.kv, u, n, d, comp_kv, cw);
+    mv(L.comp.gate, u, n, d, comp_sc, cw);
+    add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
+  }
+  if (L.ratio == 4) {
+    mv(L.idx_q_b, q_lat, n, ql, idx_q, inh * ihd);
+    mv(L.idx_proj, u, n, d, idx_w, inh);
+    mv(L.idx_comp.kv, u, n, d, idx_kv, icw);
+    mv(L.idx_comp.gate, u, n, d, idx_sc, icw);
+    // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
+    const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
+    idx_q_finish(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), rd, lanes.pos, freqs(l), qat, w_scale,
+                 stream);
+    add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
+  }
+
+  // (B) per slot.
+  int max_keys = 0, max_vis = 0;
+  for (int i = 0; i < n; ++i) {
+    const int64_t t = pos[i];
+    int keys = static_cast<int>(std::min<int64_t>(t + 1, kRingRows));
+    if (L.ratio == 4) keys += static_cast<int>(std::min<int64_t>(cfg.index_topk, (t + 1) / 4));
+    if (L.ratio == 128) keys += static_cast<int>((t + 1) / 128);
+    max_keys = std::max(max_keys, keys);
+    max_vis = std::max(max_vis, static_cast<int>((t + 1) / 4));
+  }
+  if (L.ratio > 0) {
+    CompressorLaunch a;
+    a.states = reinterpret_cast<float*>(states.data());
+    a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
+    a.kv_off = static_cast<int64_t>(LL.state_off);
+    a.rows = LL.attn_rows;
+    a.width = LL.attn_width;
+    a.ratio = L.ratio;
+    a.c = static_cast<int>(hd);
+    a.rope_dim = rd;
+    a.k = comp_kv;
+    a.z = comp_sc;
+    a.ld = cw;
+    a.norm = L.comp.norm;
+    a.eps = eps;
+    a.inv_freq = freqs(l);
+    a.qat = qat ? 1 : 0;
+    a.pages = reinterpret_cast<uint16_t*>(pages.data());
+    a.page_elems = static_cast<int64_t>(layout.page_elems);
+    a.row_off = static_cast<int64_t>(LL.comp_off);
+    compressor_update(a, lanes, n_groups, stream);
+  }
+  if (L.ratio == 4) {
+    CompressorLaunch a;
+    a.states = reinterpret_cast<float*>(states.data());
+    a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
+    a.kv_off = static_cast<int64_t>(LL.state_off) + 2ll * LL.attn_rows * LL.attn_width;
+    a.rows = LL.idx_rows;
+    a.width = LL.idx_width;
+    a.ratio = 4;
+    a.c = static_cast<int>(ihd);
+    a.rope_dim = rd;
+    a.k = idx_kv;
+    a.z = idx_sc;
+    a.ld = icw;
+    a.norm = L.idx_comp.norm;
+    a.eps = eps;
+    a.inv_freq = freqs(l);
+    a.qat = qat ? 2 : 0;
+    a.pages = reinterpret_cast<uint16_t*>(pages.data());
+    a.page_elems = static_cast<int64_t>(layout.page_elems);
+    a.row_off = static_cast<int64_t>(LL.idx_off);
+    compressor_update(a, lanes, n_groups, stream);
+    if (max_vis > cfg.index_topk) {
+      indexer_scores(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), lanes,
+                     reinterpret_cast<const uint16_t*>(pages.data()), static_cast<int64_t>(layout.page_elems),
+                     static_cast<int64_t>(LL.idx_off), cfg.index_topk, max_vis, idx_scores, n_idx, stream);
+      indexer_topk(idx_scores, n_idx, n, lanes.pos, cfg.index_topk, comp_sel, n_sel, stream);
+    }
+  }
+  uint16_t* ring = reinterpret_cast<uint16_t*>(rings.data()) +
+                   static_cast<int64_t>(l) * opts.max_slots * kRingRows * hd;
+  AttentionLaunch at;
+  at.q = q;
+  at.out = attn_out;
+  at.kv16 = kv16;
+  at.ring = ring;
+  at.pages = reinterpret_cast<const uint16_t*>(pages.data());
+  at.page_elems = static_cast<int64_t>(layout.page_elems);
+  at.row_off = static_cast<int64_t>(LL.comp_off);
+  at.ratio = L.ratio;
+  at.top_k = cfg.index_topk;
+  at.sel = comp_sel;
+  at.ld_sel = n_sel;
+  at.sinks = L.sinks;
+  at.n_head = static_cast<int>(nh);
+  at.head_dim = static_cast<int>(hd);
+  at.rope_dim = rd;
+  at.inv_freq = freqs(l);
+  at.max_keys = max_keys;
+  attention_paged(at, lanes, n, stream);
+  ring_store(ring, kv16, n, static_cast<int>(hd), lanes, stream);
+
+  // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
+  // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
+  const int64_t G = cfg.o_groups, ol = cfg.o_lora_rank, gw = nh / G * hd;
+  for (int64_t g = 0; g < G; ++g) {
+    TensorView part = L.wo_a;
+    part.ne[1] = ol;
+    part.data = L.wo_a.data + g * ol * L.wo_a.row_bytes();
+    mv(part, attn_out + g * gw, n, nh * hd, o_low + g * ol, G * ol);
+  }
+  mv(L.wo_b, o_low, n, G * ol, y, d);
+  hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
+}
+
+void GpuEngine::Impl::ffn_layer(int l) {
+  const LayerWeights& L = dw.layers[l];
+  const int64_t d = cfg.n_embd, F = cfg.expert_ffn;
+  const int E = cfg.n_expert, K = cfg.n_expert_used;
+  hc_pre_site(L.hc_ffn);
+  rms_norm(u, d, L.ffn_norm, u, d, n, d, cfg.norm_eps, stream);
+  mv(L.gate_inp, u, n, d, router, E);
+  route(router, n, E, K, l < cfg.n_hash_layers, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
+        cfg.expert_weights_scale, sel_id, sel_w, stream);
+  // Every (lane, selection) pair runs its expert as one column of the expert's grouped product:
+  // single-column arithmetic, whatever else the expert serves.
+  const int n_pairs = n * K;
+  build_expert_parts(sel_id, n_pairs, E, kExpertPart, sorted_pairs, parts, n_parts, stream);
+  matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream);
+  matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream);
+  swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
+  matvec_grouped(L.down_exps, parts, n_parts, n_pairs, sorted_pairs, nullptr, ex_gate, F, ex_down, d, stream);
+  const bool shared = cfg.n_expert_shared == 1;
+  if (shared) {
+    mv(L.gate_sh, u, n, d, sh_gate, F);
+    mv(L.up_sh, u, n, d, sh_up, F);
+    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream);
+    mv(L.down_sh, sh_gate, n, F, sh_down, d);
+  }
+  moe_combine(ex_down, sel_w, shared ? sh_down : nullptr, n, K, d, y, stream);
+  hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
+}
+
+int GpuEngine::Impl::head(float* logits_out) {
+  const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
+  const int n_out = static_cast<int>(logit_lanes.size());
+  if (n_out == 0) return 0;
+  mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
+  hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
+          cfg.norm_eps, head_in, stream);
+  rms_norm(head_in, d, dw.output_norm, head_in, d, n_out, d, cfg.norm_eps, stream);
+  mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
+  DS4_GPU_CHECK(cudaMemcpyAsync(logits_out, logits, 4ull * n_out * cfg.n_vocab, cudaMemcpyDeviceToHost, stream));
+  return n_out;
+}
+
+// --- GpuEngine -------------------------------------------------------------------------------
+
+GpuEngine::GpuEngine(const ModelConfig& cfg, const std::string& gguf_path, const std::vector<WeightEntry>& weights,
+                     const EngineOptions& opts)
+    : impl_(std::make_unique<Impl>(cfg, gguf_path, weights, opts)) {}
+
+GpuEngine::~GpuEngine() = default;
+
+void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+                     const int32_t* lane_logits, int n_tables, const int32_t* table_slot, const int32_t* block_table,
+                     int max_blocks, float* logits_out) {
+  Impl& m = *impl_;
+  if (n_lanes <= 0) return;
+  m.validate_and_group(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks);
+  m.n = n_lanes;
+  m.pos = lane_pos;
+  m.slot_of = lane_slot;
+  m.check_pages();
+  m.logit_lanes.clear();
+  for (int i = 0; i < n_lanes; ++i)
+    if (lane_logits[i]) m.logit_lanes.push_back(i);
+  m.upload_inputs(n_lanes, lane_slot, lane_token, lane_pos);
+  embed_rows(m.dw.embed, m.lanes.token, n_lanes, m.x_hc, static_cast<int64_t>(m.cfg.hc_mult) * m.cfg.n_embd,
+             m.stream);
+  replicate_streams(m.x_hc, n_lanes, m.cfg.hc_mult, m.cfg.n_embd, m.stream);
+  for (int l = 0; l < m.cfg.n_layer; ++l) {
+    m.attention_layer(l);
+    m.ffn_layer(l);
+  }
+  m.head(logits_out);
+  DS4_GPU_CHECK(cudaStreamSynchronize(m.stream));
+}
+
+// Zero the slot's rings, set its compressor states to (0, -inf) and its block table to -1 (the
+// CPU's PagedState::reset_slot); pages are left as they are, as there.
+void GpuEngine::Impl::reset(int slot) {
+  if (slot < 0 || slot >= opts.max_slots)
+    throw std::out_of_range("slot " + std::to_string(slot) + " is outside 0.." + std::to_string(opts.max_slots - 1));
+  const uint64_t ring_bytes = 2ull * kRingRows * cfg.head_dim;
+  for (int l = 0; l < cfg.n_layer; ++l)
+    DS4_GPU_CHECK(cudaMemsetAsync(rings.data() + (static_cast<uint64_t>(l) * opts.max_slots + slot) * ring_bytes, 0,
+                                  ring_bytes, stream));
+  if (layout.state_per_slot > 0)
+    DS4_GPU_CHECK(cudaMemcpyAsync(states.data() + 4ull * layout.state_per_slot * slot, slot_reset.data(),
+                                  4ull * layout.state_per_slot, cudaMemcpyHostToDevice, stream));
+  std::fill_n(tables.begin() + static_cast<int64_t>(slot) * max_blocks, max_blocks, -1);
+  DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+}
+
+void GpuEngine::reset_slot(int slot) { impl_->reset(slot); }
+
+SlotStateExport GpuEngine::export_slot_state(int slot, const int32_t* block_table, int max_blocks,
+                                             int64_t n_tokens) const {
+  const Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("export_slot_state: " + msg); };
+  if (slot < 0 || slot >= m.opts.max_slots) fail("slot " + std::to_string(slot) + " out of range");
+  if (n_tokens < 0 || n_tokens > m.opts.max_ctx) fail("n_tokens " + std::to_string(n_tokens) + " outside 0..max_ctx");
+  if (max_blocks < 0) fail("negative max_blocks");
+  auto page = [&](int64_t lp) {
+    const int32_t p = lp < max_blocks ? block_table[lp] : -1;
+    if (p < 0 || p >= m.opts.n_pages)
+      fail("logical page " + std::to_string(lp) + " maps to " + std::to_string(p) + ", not a page of the pool");
+    return static_cast<int64_t>(p);
+  };
+  DS4_GPU_CHECK(cudaStreamSynchronize(m.stream));
+  auto down = [](void* dst, const uint8_t* src, uint64_t bytes) {
+    if (bytes) DS4_GPU_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyDeviceToHost));
+  };
+  const int64_t hd = c.head_dim, ihd = c.index_head_dim;
+  const uint16_t* pages = reinterpret_cast<const uint16_t*>(m.pages.data());
+  const float* states = reinterpret_cast<const float*>(m.states.data()) + m.layout.state_per_slot * slot;
+  SlotStateExport out;
+  out.ring.resize(c.n_layer);
+  out.comp.resize(c.n_layer);
+  out.index.resize(c.n_layer);
+  out.attn_kv.resize(c.n_layer);
+  out.attn_score.resize(c.n_layer);
+  out.index_kv.resize(c.n_layer);
+  out.index_score.resize(c.n_layer);
+  for (int l = 0; l < c.n_layer; ++l) {
+    const Layout::Layer& L = m.layout.layers[l];
+    out.ring[l].resize(kRingRows * hd);
+    down(out.ring[l].data(),
+         m.rings.data() + 2ull * (static_cast<uint64_t>(l) * m.opts.max_slots + slot) * kRingRows * hd,
+         2ull * kRingRows * hd);
+    if (L.ratio == 0) continue;
+    const int64_t n_rows = n_tokens / L.ratio;
+    out.comp[l].resize(n_rows * hd);
+    if (L.ratio == 4) out.index[l].resize(n_rows * ihd);
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const int64_t start = j * L.ratio;
+      const int64_t p = page(start / kPageTokens);
+      const int64_t r = (start % kPageTokens) / L.ratio;
+      const uint16_t* row = pages + p * m.layout.page_elems + L.comp_off + r * hd;
+      down(out.comp[l].data() + j * hd, reinterpret_cast<const uint8_t*>(row), 2ull * hd);
+      if (L.ratio == 4) {
+        const uint16_t* irow = pages + p * m.layout.page_elems + L.idx_off + r * ihd;
+        down(out.index[l].data() + j * ihd, reinterpret_cast<const uint8_t*>(irow), 2ull * ihd);
+      }
+    }
+    const uint64_t na = static_cast<uint64_t>(L.attn_rows) * L.attn_width;
+    const uint64_t ni = static_cast<uint64_t>(L.idx_rows) * L.idx_width;
+    const float* base = states + L.state_off;
+    out.attn_kv[l].resize(na);
+    out.attn_score[l].resize(na);
+    down(out.attn_kv[l].data(), reinterpret_cast<const uint8_t*>(base), 4 * na);
+    down(out.attn_score[l].data(), reinterpret_cast<const uint8_t*>(base + na), 4 * na);
+    if (L.ratio == 4) {
+      out.index_kv[l].resize(ni);
+      out.index_score[l].resize(ni);
+      down(out.index_kv[l].data(), reinterpret_cast<const uint8_t*>(base + 2 * na), 4 * ni);
+      down(out.index_score[l].data(), reinterpret_cast<const uint8_t*>(base + 2 * na + ni), 4 * ni);
+    }
+  }
+  return out;
+}
+
+std::vector<std::pair<std::string, uint64_t>> GpuEngine::allocated_bytes() const {
+  const Impl& m = *impl_;
+  return {
+      {"rings", m.rings.bytes()},         {"compressor_state", m.states.bytes()},
+      {"pages", m.pages.bytes()},         {"step_inputs", m.inputs.bytes()},
+      {"scratch", m.arena.bytes()},       {"weights_device", m.weights.bytes()},
+  };
+}
+
+std::string GpuEngine::device_name() const { return ds4::gpu::device_name(); }
+
+}  // namespace ds4::gpu

@@ -1,0 +1,82 @@
+// The DS4 step executor on a GPU: the same interface and the same function as ds4::Engine
+// (ext/engine/engine.h), with the weights and the paged state in device memory.
+//
+// Ownership: the engine maps the GGUF file, validates its tensors exactly as the CPU engine does,
+// uploads the file's bytes to the device once and keeps device views of every tensor; it owns the
+// device state (per slot the f16 rings and the fp32 compressor states, the shared page pool of
+// f16 compressed rows) and a host mirror of the block tables. step() uploads the step's small
+// int arrays (lanes, positions, slot groups, block-table rows) in one copy, runs phases A/B/C of
+// every layer and the head on one stream, and copies the logits back.
+//
+// Numerics are the CPU executor's (fp32 activations, f16 rows, the optional QAT round trips,
+// indexer ties to the lower entry, router ties to the lower expert, each lane summing its experts
+// in its own selection order); results differ from the CPU's only by summation order inside
+// dot products and reductions. Every per-lane computation has a fixed order that does not depend
+// on the other lanes, so a sequence's logits are bit-identical whatever shares its step and
+// however its prompt is split into rows.
+//
+// Built without a GPU backend this header still compiles: the constructor throws.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "../engine/engine.h"
+
+namespace ds4::gpu {
+
+#if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+
+class GpuEngine {
+ public:
+  // Throws std::runtime_error without a device or when the model does not fit the kernels'
+  // limits (head_dim <= 512, index_head_dim a power of two 32..512, hc_mult <= 16,
+  // n_expert_used <= 32), std::invalid_argument for a bad config or options.
+  GpuEngine(const ModelConfig& cfg, const std::string& gguf_path, const std::vector<WeightEntry>& weights,
+            const EngineOptions& opts);
+  ~GpuEngine();
+  GpuEngine(const GpuEngine&) = delete;
+  GpuEngine& operator=(const GpuEngine&) = delete;
+
+  // ds4::Engine::step: the same plan checks and messages, logits_out on the host.
+  void step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
+            const int32_t* lane_logits, int n_tables, const int32_t* table_slot, const int32_t* block_table,
+            int max_blocks, float* logits_out);
+  void reset_slot(int slot);
+  SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens) const;
+  // Device bytes by section: "rings", "compressor_state", "pages", "step_inputs", "scratch",
+  // "weights_device" (ds4_app/engine/memory.py plan_device_memory computes the same).
+  std::vector<std::pair<std::string, uint64_t>> allocated_bytes() const;
+  std::string device_name() const;
+
+ private:
+  struct Impl;
+  std::unique_ptr<Impl> impl_;
+};
+
+#else  // no GPU backend in this build
+
+class GpuEngine {
+ public:
+  GpuEngine(const ModelConfig&, const std::string&, const std::vector<WeightEntry>&, const EngineOptions&) {
+    throw std::runtime_error("this _native build has no GPU backend; rebuild with DS4_GPU=cuda or DS4_GPU=hip");
+  }
+  void step(int, const int32_t*, const int32_t*, const int32_t*, const int32_t*, int, const int32_t*, const int32_t*,
+            int, float*) {
+    throw std::runtime_error("no GPU backend");
+  }
+  void reset_slot(int) { throw std::runtime_error("no GPU backend"); }
+  SlotStateExport export_slot_state(int, const int32_t*, int, int64_t) const {
+    throw std::runtime_error("no GPU backend");
+  }
+  std::vector<std::pair<std::string, uint64_t>> allocated_bytes() const { throw std::runtime_error("no GPU backend"); }
+  std::string device_name() const { return std::string(); }
+};
+
+#endif
+
+}  // namespace ds4::gpu

@@ -1,0 +1,380 @@
+// Per-lane operations of the DS4 step (step_ops.h), each the CPU executor's operation with the
+// same formulas (ext/engine/mhc.cpp, ops.cpp, moe.cpp) and a lane-local fixed order.
+//
+// replicate_streams  grid n, 256 threads; copies stream 0 to the others. Bytes: 4 (hc-1) d per lane.
+// hc_pre             grid n, 256 threads: rho over the hc*d state (double), thread 0 builds pre,
+//                    post and comb (Sinkhorn on a 4x4: negligible), then u = sum_j pre_j X[j].
+//                    Bytes: the state twice (8 hc d), u out (4 d).
+// hc_post            grid n, 256 threads over elements; comb and post in shared. Bytes: 8 hc d + 4 d.
+// hc_head            grid n_out, like hc_pre without Sinkhorn.
+// q_heads            grid n * n_head, 256 threads: RMSNorm then RoPE on one head, in place.
+// kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
+// idx_q_finish       grid n * heads: RoPE, Hadamard + FP4 (qat) per indexer head, in place.
+// add_ape            grid n: one ape row decoded and added. Bytes: 8 + 2..4 per element.
+// route              grid n, one warp: K passes of a strict arg-max over the experts (ties to
+//                    the lower id), weights in selection order. Bytes: 4 E per lane.
+// swiglu             grid-stride over rows x width. Bytes: 12 per element.
+// moe_combine        grid n over d: weighted expert sum in selection order, plus the shared expert.
+#include <algorithm>
+#include <string>
+
+#include "matvec.cuh"  // the ggml type ids kF32, kF16, kBF16
+#include "rowops.cuh"
+#include "step_ops.h"
+
+namespace ds4::gpu {
+
+namespace {
+
+__global__ void __launch_bounds__(kRowThreads) replicate_kernel(float* __restrict__ X, int hc, int64_t d) {
+  float* x = X + static_cast<int64_t>(blockIdx.x) * hc * d;
+  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
+    const float v = x[k];
+    for (int s = 1; s < hc; ++s) x[s * d + k] = v;
+  }
+}
+
+__device__ void col_normalize(float* c, int n, float eps) {
+  for (int k = 0; k < n; ++k) {
+    float sum = 0.0f;
+    for (int j = 0; j < n; ++j) sum += c[j * n + k];
+    const float dd = sum + eps;
+    for (int j = 0; j < n; ++j) c[j * n + k] /= dd;
+  }
+}
+
+// ops.cpp sinkhorn on an n x n row-major matrix (one thread).
+__device__ void sinkhorn_dev(float* c, int n, int iters, float eps) {
+  for (int j = 0; j < n; ++j) {
+    float* row = c + j * n;
+    float mx = row[0];
+    for (int k = 1; k < n; ++k) mx = fmaxf(mx, row[k]);
+    float sum = 0.0f;
+    for (int k = 0; k < n; ++k) {
+      row[k] = expf(row[k] - mx);
+      sum += row[k];
+    }
+    for (int k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
+  }
+  col_normalize(c, n, eps);
+  for (int it = 1; it < iters; ++it) {
+    for (int j = 0; j < n; ++j) {
+      float* row = c + j * n;
+      float sum = 0.0f;
+      for (int k = 0; k < n; ++k) sum += row[k];
+      const float dd = sum + eps;
+      for (int k = 0; k < n; ++k) row[k] /= dd;
+    }
+    col_normalize(c, n, eps);
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    hc_pre_kernel(const float* __restrict__ X, int hc, int64_t d, const float* __restrict__ mix, int64_t mix_ld,
+                  const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps,
+                  float norm_eps, float* __restrict__ U, float* __restrict__ post, float* __restrict__ comb) {
+  __shared__ double red[kRowWarps];
+  __shared__ float pre_s[kMaxHcDev];
+  __shared__ float c_s[kMaxHcDev * kMaxHcDev];
+  const int i = static_cast<int>(blockIdx.x);
+  const float* x = X + static_cast<int64_t>(i) * hc * d;
+  const float rho = rms_factor(x, static_cast<int64_t>(hc) * d, norm_eps, red);
+  if (threadIdx.x == 0) {
+    const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
+    for (int k = 0; k < hc; ++k) pre_s[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
+    for (int k = 0; k < hc; ++k)
+      post[i * hc + k] = 2.0f * sigmoid_dev(scale[1] * (rho * raw[hc + k]) + base[hc + k]);
+    for (int k = 0; k < hc * hc; ++k) c_s[k] = scale[2] * (rho * raw[2 * hc + k]) + base[2 * hc + k];
+    sinkhorn_dev(c_s, hc, iters, hc_eps);
+    for (int k = 0; k < hc * hc; ++k) comb[i * hc * hc + k] = c_s[k];
+  }
+  __syncthreads();
+  float* u = U + static_cast<int64_t>(i) * d;
+  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
+    float acc = 0.0f;
+    for (int j = 0; j < hc; ++j) acc += pre_s[j] * x[j * d + k];
+    u[k] = acc;
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    hc_post_kernel(float* __restrict__ X, int hc, int64_t d, const float* __restrict__ Y,
+                   const float* __restrict__ post, const float* __restrict__ comb) {
+  __shared__ float post_s[kMaxHcDev];
+  __shared__ float c_s[kMaxHcDev * kMaxHcDev];
+  const int i = static_cast<int>(blockIdx.x);
+  if (threadIdx.x < hc) post_s[threadIdx.x] = post[i * hc + threadIdx.x];
+  for (int k = threadIdx.x; k < hc * hc; k += kRowThreads) c_s[k] = comb[i * hc * hc + k];
+  __syncthreads();
+  float* x = X + static_cast<int64_t>(i) * hc * d;
+  const float* y = Y + static_cast<int64_t>(i) * d;
+  for (int64_t e = threadIdx.x; e < d; e += kRowThreads) {
+    float old[kMaxHcDev];
+    for (int j = 0; j < hc; ++j) old[j] = x[j * d + e];
+    for (int k = 0; k < hc; ++k) {
+      float acc = post_s[k] * y[e];
+      for (int j = 0; j < hc; ++j) acc += c_s[j * hc + k] * old[j];
+      x[k * d + e] = acc;
+    }
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    hc_head_kernel(const float* __restrict__ X, const int32_t* __restrict__ lanes, int hc, int64_t d,
+                   const float* __restrict__ mix, int64_t mix_ld, const float* __restrict__ scale,
+                   const float* __restrict__ base, float hc_eps, float norm_eps, float* __restrict__ out) {
+  __shared__ double red[kRowWarps];
+  __shared__ float wt[kMaxHcDev];
+  const int j = static_cast<int>(blockIdx.x);
+  const int i = lanes[j];
+  const float* x = X + static_cast<int64_t>(i) * hc * d;
+  const float rho = rms_factor(x, static_cast<int64_t>(hc) * d, norm_eps, red);
+  if (threadIdx.x == 0) {
+    const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
+    for (int k = 0; k < hc; ++k) wt[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
+  }
+  __syncthreads();
+  float* h = out + static_cast<int64_t>(j) * d;
+  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
+    float acc = 0.0f;
+    for (int s = 0; s < hc; ++s) acc += wt[s] * x[s * d + k];
+    h[k] = acc;
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    q_heads_kernel(float* __restrict__ Q, int n_head, int head_dim, int rope_dim, float eps,
+                   const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
+  __shared__ double red[kRowWarps];
+  const int i = static_cast<int>(blockIdx.x) / n_head;
+  float* row = Q + static_cast<int64_t>(blockIdx.x) * head_dim;
+  const float r = rms_factor(row, head_dim, eps, red);
+  scale_row(row, head_dim, r, nullptr);
+  rope_block(row + (head_dim - rope_dim), rope_dim / 2, pos[i], inv_freq, false);
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    kv_finish_kernel(float* __restrict__ KV, int head_dim, int rope_dim, const float* __restrict__ norm, float eps,
+                     const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int qat,
+                     uint16_t* __restrict__ KV16) {
+  __shared__ double red[kRowWarps];
+  const int i = static_cast<int>(blockIdx.x);
+  float* row = KV + static_cast<int64_t>(i) * head_dim;
+  const float r = rms_factor(row, head_dim, eps, red);
+  scale_row(row, head_dim, r, norm);
+  rope_block(row + (head_dim - rope_dim), rope_dim / 2, pos[i], inv_freq, false);
+  if (qat) fp8_block(row, head_dim - rope_dim);
+  uint16_t* dst = KV16 + static_cast<int64_t>(i) * head_dim;
+  for (int e = threadIdx.x; e < head_dim; e += kRowThreads) dst[e] = f32_to_f16_bits(row[e]);
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    idx_q_kernel(float* __restrict__ Q, float* __restrict__ W, int head_dim, int rope_dim,
+                 const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int n_heads, int qat,
+                 float w_scale) {
+  const int i = static_cast<int>(blockIdx.x) / n_heads;
+  float* row = Q + static_cast<int64_t>(blockIdx.x) * head_dim;
+  rope_block(row + (head_dim - rope_dim), rope_dim / 2, pos[i], inv_freq, false);
+  if (qat) {
+    hadamard_block(row, head_dim);
+    fp4_block(row, head_dim);
+  }
+  if (threadIdx.x == 0) W[blockIdx.x] *= w_scale;
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    add_ape_kernel(float* __restrict__ Z, int64_t ldz, int64_t width, const uint8_t* __restrict__ ape,
+                   int64_t row_bytes, int type, int ratio, const int32_t* __restrict__ pos) {
+  const int i = static_cast<int>(blockIdx.x);
+  const uint8_t* row = ape + static_cast<int64_t>(pos[i] % ratio) * row_bytes;
+  float* z = Z + static_cast<int64_t>(i) * ldz;
+  for (int64_t k = threadIdx.x; k < width; k += kRowThreads) {
+    float v;
+    if (type == kF32) {
+      v = reinterpret_cast<const float*>(row)[k];
+    } else if (type == kF16) {
+      v = half_bits_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+    } else {
+      v = bf16_bits_to_float(reinterpret_cast<const uint16_t*>(row)[k]);
+    }
+    z[k] += v;
+  }
+}
+
+// Does (va, ea) beat (vb, eb)? Larger value, then the lower expert id (the CPU's '>' scan).
+__device__ __forceinline__ bool route_better(float va, int ea, float vb, int eb) {
+  if (eb < 0) return ea >= 0;
+  if (ea < 0) return false;
+  return va > vb || (va == vb && ea < eb);
+}
+
+__global__ void __launch_bounds__(DS4_WARP)
+    route_kernel(const float* __restrict__ logits, int n_expert, int k_used, int hash,
+                 const int32_t* __restrict__ tid2eid, const int32_t* __restrict__ tokens,
+                 const float* __restrict__ bias, int norm, float wscale, int32_t* __restrict__ ids,
+                 float* __restrict__ weights) {
+  __shared__ int32_t chosen[kMaxExpertUsed];
+  const int i = static_cast<int>(blockIdx.x), lane = static_cast<int>(threadIdx.x);
+  const float* lg = logits + static_cast<int64_t>(i) * n_expert;
+  if (hash) {
+    if (lane == 0)
+      for (int k = 0; k < k_used; ++k) chosen[k] = tid2eid[static_cast<int64_t>(tokens[i]) * k_used + k];
+  } else {
+    for (int k = 0; k < k_used; ++k) {
+      float bv = 0.0f;
+      int be = -1;
+      for (int e = lane; e < n_expert; e += DS4_WARP) {
+        bool taken = false;
+        for (int j = 0; j < k; ++j) taken = taken || chosen[j] == e;
+        if (taken) continue;
+        const float v = sqrtf(softplus_dev(lg[e])) + bias[e];
+        if (be < 0 || v > bv) {
+          bv = v;
+          be = e;
+        }
+      }
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) {
+        const float ov = ds4_shfl_xor(bv, m);
+        const int oe = ds4_shfl_xor(be, m);
+        if (route_better(ov, oe, bv, be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+      if (lane == 0) chosen[k] = be;
+      __syncthreads();  // the block is one warp
+    }
+  }
+  __syncthreads();
+  if (lane == 0) {
+    float w[kMaxExpertUsed];
+    float sum = 0.0f;
+    for (int k = 0; k < k_used; ++k) {
+      w[k] = sqrtf(softplus_dev(lg[chosen[k]]));
+      sum += w[k];
+    }
+    const float den = norm ? fmaxf(sum, 6.103515625e-5f) : 1.0f;
+    for (int k = 0; k < k_used; ++k) {
+      ids[i * k_used + k] = chosen[k];
+      weights[i * k_used + k] = w[k] / den * wscale;
+    }
+  }
+}
+
+__global__ void swiglu_kernel(float* __restrict__ G, const float* __restrict__ U, int64_t total, float limit) {
+  for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    float gv = G[idx], uv = U[idx];
+    if (limit > 0.0f) {
+      gv = fminf(gv, limit);
+      uv = fminf(fmaxf(uv, -limit), limit);
+    }
+    G[idx] = silu_dev(gv) * uv;
+  }
+}
+
+__global__ void __launch_bounds__(kRowThreads)
+    moe_combine_kernel(const float* __restrict__ D, const float* __restrict__ w, const float* __restrict__ SH,
+                       int k_used, int64_t d, float* __restrict__ Y) {
+  const int i = static_cast<int>(blockIdx.x);
+  const float* wi = w + static_cast<int64_t>(i) * k_used;
+  const float* di = D + static_cast<int64_t>(i) * k_used * d;
+  float* y = Y + static_cast<int64_t>(i) * d;
+  for (int64_t x = threadIdx.x; x < d; x += kRowThreads) {
+    float acc = wi[0] * di[x];
+    for (int k = 1; k < k_used; ++k) {
+      const float t = wi[k] * di[k * d + x];  // each weighted output rounded, as the CPU stores it
+      acc += t;
+    }
+    y[x] = SH ? acc + SH[static_cast<int64_t>(i) * d + x] : acc;
+  }
+}
+
+cudaStream_t cs(Stream s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
+  if (n <= 0 || hc <= 1) return;
+  replicate_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d);
+  DS4_GPU_CHECK_LAUNCH("replicate_kernel");
+}
+
+void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
+            const float* base, int iters, float hc_eps, float norm_eps, float* U, float* post, float* comb, Stream s) {
+  if (n <= 0) return;
+  hc_pre_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d, mix, mix_ld, scale, base, iters, hc_eps, norm_eps, U, post,
+                                              comb);
+  DS4_GPU_CHECK_LAUNCH("hc_pre_kernel");
+}
+
+void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s) {
+  if (n <= 0) return;
+  hc_post_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
+  DS4_GPU_CHECK_LAUNCH("hc_post_kernel");
+}
+
+void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
+             const float* scale, const float* base, float hc_eps, float norm_eps, float* out, Stream s) {
+  if (n_out <= 0) return;
+  hc_head_kernel<<<n_out, kRowThreads, 0, cs(s)>>>(X, lanes, hc, d, mix, mix_ld, scale, base, hc_eps, norm_eps, out);
+  DS4_GPU_CHECK_LAUNCH("hc_head_kernel");
+}
+
+void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
+             const double* inv_freq, Stream s) {
+  if (n <= 0) return;
+  q_heads_kernel<<<n * n_head, kRowThreads, 0, cs(s)>>>(Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
+  DS4_GPU_CHECK_LAUNCH("q_heads_kernel");
+}
+
+void kv_finish(float* KV, int n, int head_dim, int rope_dim, const float* norm, float eps, const int32_t* pos,
+               const double* inv_freq, bool qat, uint16_t* KV16, Stream s) {
+  if (n <= 0) return;
+  kv_finish_kernel<<<n, kRowThreads, 0, cs(s)>>>(KV, head_dim, rope_dim, norm, eps, pos, inv_freq, qat ? 1 : 0, KV16);
+  DS4_GPU_CHECK_LAUNCH("kv_finish_kernel");
+}
+
+void idx_q_finish(float* Q, float* W, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
+                  const double* inv_freq, bool qat, float w_scale, Stream s) {
+  if (n <= 0) return;
+  idx_q_kernel<<<n * n_heads, kRowThreads, 0, cs(s)>>>(Q, W, head_dim, rope_dim, pos, inv_freq, n_heads, qat ? 1 : 0,
+                                                       w_scale);
+  DS4_GPU_CHECK_LAUNCH("idx_q_kernel");
+}
+
+void add_ape(float* Z, int64_t ldz, int n, int64_t width, const TensorView& ape, int ratio, const int32_t* pos,
+             Stream s) {
+  if (n <= 0) return;
+  const int type = static_cast<int>(ape.type);
+  if (type != kF32 && type != kF16 && type != kBF16)
+    throw std::invalid_argument(std::string("GPU add_ape: ape must be F32, F16 or BF16, not ") + dtype_name(ape.type));
+  add_ape_kernel<<<n, kRowThreads, 0, cs(s)>>>(Z, ldz, width, ape.data, ape.row_bytes(), type, ratio, pos);
+  DS4_GPU_CHECK_LAUNCH("add_ape_kernel");
+}
+
+void route(const float* logits, int n, int n_expert, int k, bool hash, const int32_t* tid2eid, const int32_t* tokens,
+           const float* bias, bool norm, float scale, int32_t* ids, float* weights, Stream s) {
+  if (n <= 0) return;
+  if (k < 1 || k > kMaxExpertUsed) throw std::invalid_argument("GPU route: n_expert_used must be 1..32");
+  route_kernel<<<n, DS4_WARP, 0, cs(s)>>>(logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
+                                          scale, ids, weights);
+  DS4_GPU_CHECK_LAUNCH("route_kernel");
+}
+
+void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s) {
+  const int64_t total = rows * width;
+  if (total <= 0) return;
+  const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
+  swiglu_kernel<<<static_cast<unsigned>(blocks), 256, 0, cs(s)>>>(G, U, total, limit);
+  DS4_GPU_CHECK_LAUNCH("swiglu_kernel");
+}
+
+void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s) {
+  if (n <= 0) return;
+  moe_combine_kernel<<<n, kRowThreads, 0, cs(s)>>>(D, w, SH, k, d, Y);
+  DS4_GPU_CHECK_LAUNCH("moe_combine_kernel");
+}
+
+}  // namespace ds4::gpu

@@ -1,0 +1,137 @@
+// Launchers of the DS4 step kernels the GPU engine (engine_gpu.cu) chains: the per-lane
+// operations (lane_ops.cu) and the per-slot paged-state operations (paged_ops.cu). Internal to
+// ext/gpu: device pointers in, asynchronous on a stream, every launch checked.
+//
+// Each kernel reproduces the CPU executor's operation (ext/engine/*.cpp) with a fixed, lane-local
+// order of arithmetic, so a lane's result never depends on the other lanes of the step (batch
+// invariance), and every run is deterministic.
+#pragma once
+
+#include <cstdint>
+
+#include "ds4_gpu.h"
+
+namespace ds4::gpu {
+
+constexpr int kMaxHcDev = 16;       // hc_mult bound (the CPU's kMaxHc)
+constexpr int kMaxExpertUsed = 32;  // n_expert_used bound of the router kernel
+
+// The step's lane and slot structure on the device (all arrays have max_rows entries unless said).
+// Lanes of one slot are a "group"; order[grp_first[g] + k] is the group's k-th lane (chronological).
+struct StepLanes {
+  const int32_t* slot = nullptr;
+  const int32_t* token = nullptr;
+  const int32_t* pos = nullptr;
+  const int32_t* group = nullptr;  // lane -> group
+  const int32_t* t0 = nullptr;     // lane -> position of its group's first lane
+  const int32_t* order = nullptr;
+  const int32_t* grp_first = nullptr;
+  const int32_t* grp_len = nullptr;
+  const int32_t* grp_slot = nullptr;
+  const int32_t* tables = nullptr;  // [group][max_blocks] physical page per logical page, -1 unassigned
+  int max_blocks = 0;
+};
+
+// --- lane_ops.cu -------------------------------------------------------------------------------
+
+// X[i][s*d + k] = X[i][k] for s = 1..hc-1 (the identical streams after the embedding).
+void replicate_streams(float* X, int n, int hc, int64_t d, Stream s);
+
+// mHC pre (spec §3.1) from mix = fn . x̂ (unnormalized): U[i] = sum_j pre_j X[i][j], post, comb.
+void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
+            const float* base, int iters, float hc_eps, float norm_eps, float* U, float* post, float* comb, Stream s);
+
+// mHC post (spec §3.2) in place: X[k] = post_k y + sum_j comb[j][k] X[j].
+void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s);
+
+// hc_head (spec §3.3) for the lanes lanes[0..n_out): out[j] = sum_i w_i X[lanes[j]][i].
+void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
+             const float* scale, const float* base, float hc_eps, float norm_eps, float* out, Stream s);
+
+// Per head of every lane: unweighted RMSNorm over head_dim, then the tail RoPE at pos (in place).
+void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
+             const double* inv_freq, Stream s);
+
+// The raw KV row of every lane: weighted RMSNorm, tail RoPE at pos, the FP8 round trip on the
+// non-RoPE part when qat, then f16 into KV16[i] (the row the ring will hold).
+void kv_finish(float* KV, int n, int head_dim, int rope_dim, const float* norm, float eps, const int32_t* pos,
+               const double* inv_freq, bool qat, uint16_t* KV16, Stream s);
+
+// Indexer queries: per head the tail RoPE at pos, then Hadamard + FP4 when qat; W[i][h] *= w_scale.
+void idx_q_finish(float* Q, float* W, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
+                  const double* inv_freq, bool qat, float w_scale, Stream s);
+
+// Z[i][k] += ape[pos[i] % ratio][k] for k < width (ape: an F32/F16/BF16 matrix [width, ratio]).
+void add_ape(float* Z, int64_t ldz, int n, int64_t width, const TensorView& ape, int ratio, const int32_t* pos,
+             Stream s);
+
+// MoE routing (spec §5.1) per lane: ids (selection order) and weights. hash: tid2eid[token];
+// else the top-k of sqrt(softplus(logit)) + bias, ties to the lower expert id.
+void route(const float* logits, int n, int n_expert, int k, bool hash, const int32_t* tid2eid, const int32_t* tokens,
+           const float* bias, bool norm, float scale, int32_t* ids, float* weights, Stream s);
+
+// G[r] = silu(min(G[r], L)) * clamp(U[r], -L, L) (no clamp when limit <= 0), rows x width.
+void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s);
+
+// Y[i] = sum_k w[i][k] * D[i*K + k] (in selection order) + SH[i] (SH may be null).
+void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s);
+
+// --- paged_ops.cu ------------------------------------------------------------------------------
+
+// One compressor of one layer (spec §4.4) over the step's lanes, each slot's lanes in order.
+struct CompressorLaunch {
+  float* states = nullptr;        // every slot's state floats
+  int64_t state_per_slot = 0;     // floats per slot
+  int64_t kv_off = 0;             // this compressor's value state inside a slot (score follows it)
+  int rows = 0, width = 0;        // state rows and width (CSA 8 x 2c, HCA 128 x c)
+  int ratio = 0, c = 0, rope_dim = 0;
+  const float* k = nullptr;       // value projections [lane][ld]
+  const float* z = nullptr;       // score projections (+ ape) [lane][ld]
+  int64_t ld = 0;
+  const float* norm = nullptr;
+  float eps = 1e-6f;
+  const double* inv_freq = nullptr;
+  int qat = 0;                    // 0 none, 1 FP8 on [0, c - rope_dim), 2 Hadamard + FP4
+  uint16_t* pages = nullptr;
+  int64_t page_elems = 0;         // f16 elements per page
+  int64_t row_off = 0;            // element offset of this layer's rows inside a page
+};
+void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n_groups, Stream s);
+
+// Indexer scores I(t, s) = sum_h w_h ReLU(q_h . K_s) for s < (t+1)/4 of every lane that has more
+// visible entries than top_k (others need none). scores: [lane][ld_scores].
+void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head_dim, const StepLanes& L,
+                    const uint16_t* pages, int64_t page_elems, int64_t row_off, int top_k, int max_vis,
+                    float* scores, int64_t ld_scores, Stream s);
+
+// Per lane: the min(top_k, n_vis) best entries by (score desc, index asc), ascending, into
+// sel[lane][..] (all entries when they fit).
+void indexer_topk(const float* scores, int64_t ld_scores, int n, const int32_t* pos, int top_k, int32_t* sel,
+                  int64_t ld_sel, Stream s);
+
+// Gathered attention with the sink column (spec §4.6-4.7) over each lane's chronological
+// history: the window positions max(0, t-127)..t (those before the lane's group start from the
+// slot's ring, the others from this step's KV16 rows), then the compressed entries (HCA: all
+// s < (t+1)/128; CSA: sel, or all when they fit), then the inverse tail RoPE of the output.
+struct AttentionLaunch {
+  const float* q = nullptr;       // [lane][n_head][head_dim]
+  float* out = nullptr;           // same shape
+  const uint16_t* kv16 = nullptr; // this step's raw rows [lane][head_dim]
+  const uint16_t* ring = nullptr; // this layer's rings [slot][128][head_dim]
+  const uint16_t* pages = nullptr;
+  int64_t page_elems = 0, row_off = 0;
+  int ratio = 0, top_k = 0;
+  const int32_t* sel = nullptr;   // CSA selections [lane][ld_sel]
+  int64_t ld_sel = 0;
+  const float* sinks = nullptr;
+  int n_head = 0, head_dim = 0, rope_dim = 0;
+  const double* inv_freq = nullptr;
+  int max_keys = 0;               // bound on any lane's key count this step (sizes shared memory)
+};
+void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s);
+
+// The ring rows of this step's lanes (after attention): ring[slot][t % 128] = KV16[i], for the
+// last 128 positions of each slot in the step.
+void ring_store(uint16_t* ring, const uint16_t* kv16, int n, int head_dim, const StepLanes& L, Stream s);
+
+}  // namespace ds4::gpu
