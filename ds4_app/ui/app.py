@@ -18,6 +18,7 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal
 from textual.driver import Driver
 from textual.drivers.linux_driver import LinuxDriver
+from textual.screen import ModalScreen
 from textual.widgets import Footer, TabbedContent
 
 from ds4_app.engine.api import EngineClient
@@ -40,6 +41,9 @@ from .widgets.engine_panel import EnginePanel
 from .widgets.session_tabs import SessionTabs
 
 PANEL_MIN_WIDTH = 120  # the panel shows by default from this terminal width on
+# Actions of priority bindings that change the tabs: refused while a dialog is open, since a
+# priority binding fires over a modal screen too.
+TAB_ACTIONS = frozenset({"new_session", "close_session", "next_session", "prev_session", "goto_session"})
 
 
 def one_line(error: BaseException) -> str:
@@ -200,6 +204,13 @@ class DS4App(App[None]):
             for view in event.pane.query(ChatView):
                 view.input.focus()
 
+    def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
+        """Tab actions only on the main screen (a dialog keeps its keys: ctrl+w deletes a word).
+        None, not False: the footer shows them dimmed rather than dropping them."""
+        if action in TAB_ACTIONS and isinstance(self.screen, ModalScreen):
+            return None
+        return True
+
     # ------------------------------------------------------------------ session actions
     async def action_new_session(self) -> None:
         """Open a new chat with default settings."""
@@ -214,8 +225,11 @@ class DS4App(App[None]):
             return
         self.store.set_open(view.session.id, False)
         await self.tabs.close_session(view.session.id)
-        if not self.tabs.chats():
+        shown = self.current_chat()
+        if shown is None:
             await self.action_new_session()
+        else:
+            self.tabs.activate(shown.session.id)  # focus its input now, before the next key
 
     def action_next_session(self) -> None:
         """Show the next tab."""

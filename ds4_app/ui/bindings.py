@@ -28,7 +28,10 @@ class ActionSpec:
 
     ``scope`` "app" binds on the App; "input" on the chat input (keys that only mean something
     while typing). ``priority`` bindings win over the focused widget's own keys (ctrl+w would
-    otherwise delete a word in the input; enter would insert a newline).
+    otherwise delete a word in the input; enter would insert a newline) and run as soon as the
+    App reads the key, before the keys typed after it are handed to a widget: the tab keys are
+    priority so that type-ahead lands in the tab they open or show. Priority bindings fire over
+    dialogs too; the App refuses the tab actions while one is open (``DS4App.check_action``).
     """
 
     id: str
@@ -51,7 +54,8 @@ ACTIONS: tuple[ActionSpec, ...] = (
                priority=True, scope="input"),
     ActionSpec("chat.newline", "newline", "shift+enter,ctrl+j", "Newline", "Insert a newline in the message",
                priority=True, scope="input"),
-    ActionSpec("session.new", "new_session", "ctrl+n", "New", "Open a new chat session in a tab", show=True),
+    ActionSpec("session.new", "new_session", "ctrl+n", "New", "Open a new chat session in a tab", show=True,
+               priority=True),
     ActionSpec("session.close", "close_session", "ctrl+w", "Close",
                "Close this tab (the session is kept: reopen it from the session list)", show=True,
                priority=True),
@@ -59,8 +63,8 @@ ACTIONS: tuple[ActionSpec, ...] = (
                priority=True),
     ActionSpec("session.prev", "prev_session", "ctrl+shift+tab,ctrl+pageup", "Previous tab",
                "Switch to the previous session", priority=True),
-    *(ActionSpec(f"session.goto_{n}", f"goto_session({n})", f"alt+{n}", f"Tab {n}", f"Switch to session tab {n}")
-      for n in range(1, 10)),
+    *(ActionSpec(f"session.goto_{n}", f"goto_session({n})", f"alt+{n}", f"Tab {n}", f"Switch to session tab {n}",
+                 priority=True) for n in range(1, 10)),
     ActionSpec("session.rename", "rename_session", "f2", "Rename", "Rename this session", show=True),
     ActionSpec("session.settings", "session_settings", "f4", "Settings",
                "System prompt, sampling and thinking for this session", show=True),

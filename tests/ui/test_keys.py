@@ -5,7 +5,8 @@ next one. A terminal does neither: tmux sends alt+1 as ESC "1", and a burst of t
 ``tmux send-keys "text" Enter``) arrives as one read whose keys all sit in the App's queue at
 once. These tests run bytes through the parser the app's terminal driver uses and post every key
 of a burst before the app handles any of them, which is what found the hand-test bugs: ESC+digit
-parsed as "™", alt+c typed as "c" by the input.
+parsed as "™", Enter overtaking the text typed just before it, type-ahead after ctrl+n going to
+the old tab.
 """
 
 from __future__ import annotations
@@ -123,3 +124,67 @@ async def test_app_keys_work_from_a_half_typed_message(tmp_path: Path) -> None:
         assert view.history[-1].content == "You said: hello"
         # None of those keys typed anything.
         assert view.input.text == "draft" and app.focused is view.input
+
+
+async def test_tab_keys_from_the_input(tmp_path: Path) -> None:
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        await type_burst(pilot, CTRL_N)
+        await type_burst(pilot, CTRL_N)
+        await wait_until(pilot, lambda: len(app.tabs.chats()) == 3, what="three tabs")
+        ids = session_ids(app)
+        await type_burst(pilot, CTRL_PAGEUP)
+        await wait_until(pilot, lambda: chat(app).session.id == ids[1], what="tab 2")
+        await type_burst(pilot, CTRL_PAGEDOWN + CTRL_PAGEDOWN)
+        await wait_until(pilot, lambda: chat(app).session.id == ids[0], what="wrapped to tab 1")
+        await type_burst(pilot, CTRL_W)
+        await wait_until(pilot, lambda: session_ids(app) == ids[1:], what="tab 1 closed")
+        assert app.focused is chat(app).input
+        # Behind a dialog the tab keys do nothing (they are priority bindings, which fire over
+        # modal screens unless the App refuses them), and ctrl+w is the dialog input's again.
+        await type_burst(pilot, F2)
+        await wait_until(pilot, lambda: isinstance(app.screen, InputDialog), what="the rename dialog")
+        title = app.screen.query_one("Input")
+        assert title.value == chat(app).session.title != ""
+        await type_burst(pilot, CTRL_N + ALT[1] + CTRL_PAGEDOWN + CTRL_W)
+        await pilot.pause()
+        assert isinstance(app.screen, InputDialog) and session_ids(app) == ids[1:] and chat(app).session.id == ids[1]
+        assert title.value == ""  # ctrl+w deleted the (selected) title in the dialog
+
+
+# ---------------------------------------------------------------- type-ahead
+async def test_text_and_enter_in_one_read_sends_the_text(tmp_path: Path, engine: FakeEngine) -> None:
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        await type_burst(pilot, "Where is the king?" + ENTER + "next")
+        await wait_until(pilot, lambda: len(view.history) == 2, what="the reply")
+        # What was typed after Enter is the start of the next message, not part of this one.
+        assert view.history[0].content == "Where is the king?" and view.input.text == "next"
+        view.input.clear()
+        await type_burst(pilot, "one" + CTRL_J + "two" + ENTER)
+        await wait_until(pilot, lambda: len(view.history) == 4, what="the second reply")
+        assert view.history[2].content == "one\ntwo"
+
+
+async def test_type_ahead_after_a_new_tab_goes_to_the_new_tab(tmp_path: Path, engine: FakeEngine) -> None:
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        first = chat(app)
+        await type_burst(pilot, CTRL_N + "Where is the king?" + ENTER)
+        await wait_until(pilot, lambda: len(app.tabs.chats()) == 2 and len(chat(app).history) == 2,
+                         what="the reply in the new tab")
+        second = chat(app)
+        assert second is not first and second.history[0].content == "Where is the king?"
+        assert first.input.text == "" and first.history == [] and second.input.text == ""
+
+
+async def test_type_ahead_after_a_tab_switch_goes_to_that_tab(tmp_path: Path, engine: FakeEngine) -> None:
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        first = chat(app)
+        await type_burst(pilot, CTRL_N + "to two" + ENTER + ALT[1] + "to one" + ENTER + CTRL_PAGEDOWN + "again")
+        second = app.tabs.chats()[1]
+        await wait_until(pilot, lambda: len(first.history) == 2 and len(second.history) == 2, what="two replies")
+        assert first.history[0].content == "to one" and second.history[0].content == "to two"
+        assert chat(app) is second and second.input.text == "again" and first.input.text == ""

@@ -23,8 +23,13 @@ class ChatInput(TextArea):
     """A TextArea whose send key posts ``PromptSubmitted`` instead of inserting a newline.
 
     The send and newline keys are priority bindings with ids (``chat.send``, ``chat.newline``), so
-    they beat TextArea's own enter handling and can still be remapped. The text stays in the box
-    until the chat view accepts it (a refused send keeps it for editing).
+    they beat TextArea's own enter handling and can still be remapped. A priority binding runs
+    when the App reads the key, which can be before this input has taken the keys typed just
+    before it (a terminal delivers "text<Enter>" as one read): so the send and the newline are
+    queued behind those keys on this widget's own queue, never done on the spot.
+
+    Sending clears the box at once, so text typed after Enter starts the next message; the chat
+    view puts a refused message back (``restore``).
 
     Alt chords are not typed: they bubble up to the App's bindings (alt+1..9 switch tabs, alt+c
     copies the last reply).
@@ -56,10 +61,22 @@ class ChatInput(TextArea):
             event.prevent_default()
 
     def action_submit(self) -> None:
-        """Send the text (blank text is ignored)."""
-        if self.text.strip():
-            self.post_message(PromptSubmitted(self.text))
+        """Send the text (blank text is ignored), after the keys typed before the send key."""
+        self.call_later(self._send)
 
     def action_newline(self) -> None:
-        """Insert a newline at the cursor (replacing any selection)."""
+        """Insert a newline at the cursor (replacing any selection), after the keys typed before it."""
+        self.call_later(self._newline)
+
+    def restore(self, text: str) -> None:
+        """Put back a message the chat did not take, ahead of anything typed since."""
+        self.insert(text, (0, 0))
+
+    def _send(self) -> None:
+        text = self.text
+        if text.strip():
+            self.clear()
+            self.post_message(PromptSubmitted(text))
+
+    def _newline(self) -> None:
         self.replace("\n", *self.selection)

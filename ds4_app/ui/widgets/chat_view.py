@@ -151,8 +151,8 @@ class ChatView(Vertical):
     # ------------------------------------------------------------------ sending
     async def on_prompt_submitted(self, message: PromptSubmitted) -> None:
         message.stop()
-        if await self._start(message.text):
-            self.input.clear()
+        if not await self._start(message.text):
+            self.input.restore(message.text)
 
     async def _start(self, text: str | None) -> bool:
         """Submit a reply to the conversation (plus ``text`` as a new user turn, if given)."""

@@ -68,11 +68,25 @@ class SessionTabs(TabbedContent):
         return pane.query_one(ChatView) if pane is not None else None
 
     def activate(self, session_id: str) -> None:
-        """Show a session's tab and put the cursor in its input."""
+        """Show a session's tab and put the cursor in its input.
+
+        The focus moves here and now (``Widget.focus`` would only queue it behind keys the App
+        already holds), so keys typed right after a tab key go to the tab it showed.
+        """
         self.active = pane_id(session_id)
         view = self.chat(session_id)
         if view is not None and view.is_mounted:
-            view.input.focus()
+            self.screen.set_focus(view.input)
+
+    def on_tab_pane_focused(self, event: TabPane.Focused) -> None:
+        # TabbedContent makes a pane active when something in it gains focus (a click, tab to
+        # focus). That message arrives after the fact: with two tab keys in one read the focus
+        # has already moved on, and following it would pull the view back. Follow only the focus
+        # where it is now.
+        focused = self.screen.focused
+        if focused is None or event.tab_pane not in focused.ancestors:
+            event.stop()
+            event.prevent_default()  # skips TabbedContent's handler
 
     def cycle(self, step: int) -> None:
         """Move ``step`` tabs to the right (negative: left), wrapping around."""
