@@ -6,7 +6,7 @@ next one. A terminal does neither: tmux sends alt+1 as ESC "1", and a burst of t
 once. These tests run bytes through the parser the app's terminal driver uses and post every key
 of a burst before the app handles any of them, which is what found the hand-test bugs: ESC+digit
 parsed as "™", Enter overtaking the text typed just before it, type-ahead after ctrl+n going to
-the old tab.
+the old tab, backspace and ctrl+u acting after the characters typed behind them.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ CTRL_N, CTRL_W, CTRL_R, CTRL_J = "\x0e", "\x17", "\x12", "\n"
 CTRL_PAGEUP, CTRL_PAGEDOWN = "\x1b[5;5~", "\x1b[6;5~"
 F1, F2, F3, F4 = "\x1bOP", "\x1bOQ", "\x1bOR", "\x1bOS"
 ALT_C, ESC, ENTER = "\x1bc", "\x1b", "\r"
+BACKSPACE, LEFT, CTRL_U, CTRL_S = "\x7f", "\x1b[D", "\x15", "\x13"
 
 
 def terminal_keys(data: str) -> list[events.Key]:
@@ -188,3 +189,31 @@ async def test_type_ahead_after_a_tab_switch_goes_to_that_tab(tmp_path: Path, en
         await wait_until(pilot, lambda: len(first.history) == 2 and len(second.history) == 2, what="two replies")
         assert first.history[0].content == "to one" and second.history[0].content == "to two"
         assert chat(app) is second and second.input.text == "again" and first.input.text == ""
+
+
+async def test_editing_keys_in_one_read_apply_in_order(tmp_path: Path, engine: FakeEngine) -> None:
+    # The widget's own bindings (backspace, arrows, ctrl+u) used to run only once the key had
+    # bubbled up to the App, after the characters typed behind them.
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        await type_burst(pilot, "abc" + BACKSPACE + "d" + LEFT + "x")
+        assert view.input.text == "abxd"
+        await type_burst(pilot, CTRL_U + "fresh" + ENTER)  # ctrl+u: delete to the start of the line
+        await wait_until(pilot, lambda: len(view.history) == 2, what="the reply")
+        assert view.history[0].content == "freshd"
+
+
+async def test_dialogs_take_a_burst_in_order(tmp_path: Path, engine: FakeEngine) -> None:
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        await type_burst(pilot, F2)
+        await wait_until(pilot, lambda: isinstance(app.screen, InputDialog), what="the rename dialog")
+        await type_burst(pilot, CTRL_U + "King hunt" + ENTER)
+        await wait_until(pilot, lambda: view.session.title == "King hunt", what="the rename")
+        await type_burst(pilot, F4)
+        await wait_until(pilot, lambda: isinstance(app.screen, SettingsScreen), what="the settings")
+        await type_burst(pilot, "Be terse" + BACKSPACE * 5 + "brief." + CTRL_S)
+        await wait_until(pilot, lambda: not isinstance(app.screen, SettingsScreen), what="the save")
+        assert view.session.settings.system_prompt == "Be brief."

@@ -8,6 +8,8 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import Input, Label
 
+from ..widgets.text_entry import LineInput
+
 
 class InputDialog(ModalScreen[str | None]):
     """Asks for one line of text; enter returns it (stripped), escape returns None."""
@@ -40,7 +42,7 @@ class InputDialog(ModalScreen[str | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Label(self._title, markup=False)
-            yield Input(self._value, placeholder=self._placeholder, select_on_focus=True)
+            yield LineInput(self._value, placeholder=self._placeholder, select_on_focus=True)
             yield Label(self._hint or "enter: OK · esc: cancel", classes="hint", markup=False)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:

@@ -9,6 +9,7 @@ from textual.screen import ModalScreen
 from textual.widgets import Button, Checkbox, Input, Label, Static, TextArea
 
 from ..session_settings import SessionSettings
+from ..widgets.text_entry import LineInput, TextBox
 
 # (field, label, kind, hint); kind "float" / "int" / "int?" (blank = None).
 NUMBER_FIELDS: tuple[tuple[str, str, str, str], ...] = (
@@ -84,13 +85,13 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
         with Vertical():
             yield Static(f"Settings · {self._title}", classes="title", markup=False)
             yield Label("System prompt")
-            yield TextArea(s.system_prompt, id="system", soft_wrap=True)
+            yield TextBox(s.system_prompt, id="system", soft_wrap=True)
             with Grid():
                 for name, label, kind, hint in NUMBER_FIELDS:
                     value = getattr(s, name)
                     yield Label(label)
-                    yield Input("" if value is None else f"{value:g}" if kind == "float" else str(value),
-                                id=name, type="number" if kind == "float" else "text", compact=True)
+                    yield LineInput("" if value is None else f"{value:g}" if kind == "float" else str(value),
+                                    id=name, type="number" if kind == "float" else "text", compact=True)
                     yield Label(hint, classes="hint")
             yield Checkbox("Thinking (reasoning before the answer, shown folded)", s.thinking, id="thinking",
                            compact=True)
@@ -122,6 +123,11 @@ class SettingsScreen(ModalScreen[SessionSettings | None]):
 
     def action_save(self) -> None:
         """Check the form and close with the new settings (or show what is wrong)."""
+        # ctrl+s is a priority binding, run when the App reads the key, perhaps before the field
+        # with the focus has taken the keys typed just before it: save behind those keys.
+        (self.focused or self).call_later(self._save)
+
+    def _save(self) -> None:
         try:
             settings = self.read_form()
         except ValueError as e:

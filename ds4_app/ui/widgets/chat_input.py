@@ -2,24 +2,14 @@
 
 from __future__ import annotations
 
-from textual import events
 from textual.widgets import TextArea
 
 from ..bindings import bindings
 from ..messages import PromptSubmitted
+from .text_entry import InOrderKeys
 
 
-def is_chord(key: str) -> bool:
-    """True for an alt chord ("alt+1", "alt+c"): a command, never text.
-
-    A terminal sends alt+c as ESC "c", which Textual reads as the key "alt+c" with the character
-    "c"; a text area would type that "c". Characters typed with AltGr or Option arrive as the
-    characters themselves, without an alt key name, so refusing alt chords costs no text.
-    """
-    return "alt" in key.split("+")[:-1]
-
-
-class ChatInput(TextArea):
+class ChatInput(InOrderKeys, TextArea):
     """A TextArea whose send key posts ``PromptSubmitted`` instead of inserting a newline.
 
     The send and newline keys are priority bindings with ids (``chat.send``, ``chat.newline``), so
@@ -31,8 +21,8 @@ class ChatInput(TextArea):
     Sending clears the box at once, so text typed after Enter starts the next message; the chat
     view puts a refused message back (``restore``).
 
-    Alt chords are not typed: they bubble up to the App's bindings (alt+1..9 switch tabs, alt+c
-    copies the last reply).
+    Its own editing keys run in typing order and alt chords are not typed (``InOrderKeys``):
+    they bubble up to the App's bindings (alt+1..9 switch tabs, alt+c copies the last reply).
     """
 
     BINDINGS = bindings("input")
@@ -53,12 +43,6 @@ class ChatInput(TextArea):
         super().__init__(soft_wrap=True, tab_behavior="focus", show_line_numbers=False,
                          highlight_cursor_line=False, id=id,
                          placeholder="Message  (enter sends · shift+enter or ctrl+j: newline)")
-
-    async def _on_key(self, event: events.Key) -> None:
-        if is_chord(event.key):
-            # prevent_default skips TextArea's handler (which would type the character); the
-            # event still bubbles to the App's bindings.
-            event.prevent_default()
 
     def action_submit(self) -> None:
         """Send the text (blank text is ignored), after the keys typed before the send key."""
