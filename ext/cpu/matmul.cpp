@@ -368,9 +368,10 @@ void matmul_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64
   check_view(W, ncols);
   const int64_t rows = W.ne[1];
   if (ncols == 0 || rows == 0) return;
-  // A chunk worth a thread: about 64k multiply-adds, so tiny matrices stay on one thread.
+  // A chunk worth a thread: 8k multiply-adds (about 1 us), several times the cost of handing it
+  // to a spinning worker; smaller matrices stay on the calling thread.
   const int64_t work_per_row = std::max<int64_t>(1, W.ne[0] * ncols);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 16) / work_per_row);
+  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 13) / work_per_row);
   pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) { matmul_rows_on(p, W, X, ncols, ldx, Y, ldy, r0, r1); });
 }
 

@@ -11,13 +11,19 @@
 //   worker that wakes late, or that the OS descheduled, finds its chunk done by the others and
 //   costs nothing; the caller waits only for chunks being computed. (A pool with a fixed chunk
 //   per thread waits tens of milliseconds for a worker whose core another process holds.)
-// - Workers spin only briefly for the next job (kSpinIterations: the gap between two
-//   projections of a layer) and then sleep on a condition variable, so an idle engine, or one
-//   doing serial work between parallel calls, leaves the other cores to the rest of the machine.
+// - A worker that finished a job spins for the next one for kSpinTime, long enough to span the
+//   serial stretches inside a step and the host's work between steps, then sleeps on a condition
+//   variable: an idle engine leaves the other cores to the rest of the machine. Waking a sleeping
+//   worker costs the caller 10-20 us (futex and scheduler latency in a VM), and a worker that
+//   wakes late may claim a chunk just before the caller would have, so sleeping between the jobs
+//   of a step made 2 threads slower than 1 (docs/performance.md).
+// - While spinning, a worker yields its core every kYieldTime, so that if the OS has put it on
+//   the caller's core (the other core being busy with another process) the caller runs.
 #include <sched.h>
 #include <unistd.h>
 
 #include <atomic>
+#include <chrono>
 #include <algorithm>
 #include <condition_variable>
 #include <exception>
@@ -64,8 +70,9 @@ int physical_cores() {
 namespace {
 // Set while a thread runs a chunk, so a nested parallel_for runs inline instead of deadlocking.
 thread_local bool t_in_pool_job = false;
-// pause loops a worker spins before sleeping: about 10 us on current x86 cores.
-constexpr int kSpinIterations = 256;
+// How long a worker waits for the next job before it sleeps, and how often it yields meanwhile.
+constexpr std::chrono::microseconds kSpinTime{500};
+constexpr std::chrono::microseconds kYieldTime{50};
 // The job word: generation << 10 | chunk count. The count travels with the generation, so a
 // claim is checked against the job it belongs to in one atomic read.
 constexpr int kCountBits = 10;
@@ -146,9 +153,21 @@ struct ThreadPool::Impl {
     uint64_t seen = 0;
     for (;;) {
       uint64_t j = job.load(std::memory_order_acquire);
-      for (int spin = 0; job_gen(j) == seen && spin < kSpinIterations; ++spin) {
-        cpu_relax();
-        j = job.load(std::memory_order_acquire);
+      if (job_gen(j) == seen) {
+        const auto start = std::chrono::steady_clock::now();
+        auto last_yield = start;
+        for (int spin = 1; job_gen(j) == seen; ++spin) {
+          cpu_relax();
+          j = job.load(std::memory_order_acquire);
+          if (spin % 64 == 0) {  // read the clock now and then, not every pause
+            const auto now = std::chrono::steady_clock::now();
+            if (now - start > kSpinTime) break;
+            if (now - last_yield > kYieldTime) {
+              std::this_thread::yield();
+              last_yield = now;
+            }
+          }
+        }
       }
       if (job_gen(j) == seen) {
         std::unique_lock<std::mutex> lock(mu);
