@@ -97,6 +97,9 @@ void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, co
 void attention_sink(const float* q, const uint16_t* kv, int64_t kv_rows, const int32_t* key_rows,
                     const int32_t* key_off, int n_lanes, int n_head, int head_dim, const float* sinks, float* out);
 void argmax_rows(const float* X, int n_rows, int64_t n, int32_t* out);
+// The step kernels' row round trips (rowops.cuh) on each of n_rows rows of n values, in place:
+// kind 0 FP8 (blocks of 64), 1 FP4 (blocks of 32), 2 Hadamard (n a power of two), 3 f16.
+void qat_rows(int kind, float* X, int n_rows, int n);
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -120,6 +123,7 @@ inline void attention_sink(const float*, const uint16_t*, int64_t, const int32_t
   no_backend();
 }
 inline void argmax_rows(const float*, int, int64_t, int32_t*) { no_backend(); }
+inline void qat_rows(int, float*, int, int) { no_backend(); }
 }  // namespace testing
 
 #endif

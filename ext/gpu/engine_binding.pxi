@@ -4,7 +4,9 @@
 #     include "../gpu/engine_binding.pxi"
 #
 # GpuEngine has the Python interface of Engine (step, reset_slot, allocated_bytes) plus
-# device_name; _t_gpu_export_slot_state is the GPU twin of _t_export_slot_state. Without a GPU
+# device_name. Testing hooks (added to _testing): gpu_export_slot_state (the GPU twin of
+# export_slot_state), gpu_sync_slot (a CPU Engine slot's state copied into a GpuEngine slot) and
+# gpu_qat (the step kernels' FP8 / FP4 / Hadamard / f16 round trips on host rows). Without a GPU
 # backend the C++ constructor throws, so the class exists in every build and raises RuntimeError.
 
 cdef extern from "../gpu/engine_gpu.h" nogil:
@@ -17,8 +19,16 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         void reset_slot(int slot) except +
         SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks,
                                           int64_t n_tokens) except +
+        void import_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens,
+                               const SlotStateExport& state) except +
         vector[pair[string, uint64_t]] allocated_bytes() except +
         string device_name() except +
+        void set_graphs(cbool on) except +
+        cbool graphs()
+        int graphs_captured()
+
+cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
+    void gpu_qat_rows "ds4::gpu::testing::qat_rows"(int kind, float* X, int n_rows, int n) except +
 
 
 cdef class GpuEngine:
@@ -125,6 +135,20 @@ cdef class GpuEngine:
         with nogil:
             eng.reset_slot(slot)
 
+    @property
+    def use_graphs(self):
+        """Whether steps replay a CUDA graph per shape bucket (DS4_GPU_GRAPHS=1 sets the default)."""
+        return bool(self._get().graphs())
+
+    @use_graphs.setter
+    def use_graphs(self, on):
+        self._get().set_graphs(bool(on))
+
+    @property
+    def graphs_captured(self):
+        """CUDA graphs built so far (one per new shape bucket)."""
+        return int(self._get().graphs_captured())
+
     def allocated_bytes(self):
         """Device bytes by section (see ds4::gpu::GpuEngine::allocated_bytes)."""
         cdef CGpuEngine* eng = self._get()
@@ -177,4 +201,39 @@ def _t_gpu_export_slot_state(GpuEngine engine, int slot, block_table, int64_t n_
     }
 
 
-_GPU_TESTING.update(gpu_export_slot_state=_t_gpu_export_slot_state)
+def _t_gpu_sync_slot(Engine cpu, GpuEngine gpu, int slot, block_table, int64_t n_tokens):
+    """Copy a CPU Engine slot's state after n_tokens tokens into the same slot of a GpuEngine."""
+    cdef CEngine* src = cpu._get()
+    cdef CGpuEngine* dst = gpu._get()
+    table = np.ascontiguousarray(block_table, dtype=np.int32).reshape(-1)
+    cdef const int32_t[::1] bt = table
+    cdef int32_t empty_table = -1
+    cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
+    cdef int max_blocks = bt.shape[0]
+    cdef SlotStateExport ex
+    with nogil:
+        ex = src.export_slot_state(slot, bt_ptr, max_blocks, n_tokens)
+        dst.import_slot_state(slot, bt_ptr, max_blocks, n_tokens, ex)
+
+
+_QAT_KINDS = {"fp8": 0, "fp4": 1, "hadamard": 2, "f16": 3}
+
+
+def _t_gpu_qat(str kind, X):
+    """The GPU step kernels' round trip `kind` (fp8, fp4, hadamard, f16) on each row of X [rows, n]."""
+    if kind not in _QAT_KINDS:
+        raise ValueError(f"unknown round trip {kind!r}; choose from {', '.join(_QAT_KINDS)}")
+    x = np.array(X, dtype=np.float32, order="C", copy=True)
+    if x.ndim != 2 or x.shape[1] == 0:
+        raise ValueError("X must be [rows, n] with n > 0")
+    if x.shape[0] == 0:
+        return x
+    cdef float[:, ::1] xv = x
+    cdef int k = _QAT_KINDS[kind], rows = x.shape[0], n = x.shape[1]
+    with nogil:
+        gpu_qat_rows(k, &xv[0, 0], rows, n)
+    return x
+
+
+_GPU_TESTING.update(gpu_export_slot_state=_t_gpu_export_slot_state, gpu_sync_slot=_t_gpu_sync_slot,
+                    gpu_qat=_t_gpu_qat)

@@ -24,8 +24,11 @@
 #include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <cstdlib>
 #include <limits>
+#include <map>
 #include <string>
+#include <tuple>
 
 #include "../engine/paged_state.h"
 #include "../engine/weights.h"
@@ -204,6 +207,14 @@ struct GpuEngine::Impl {
   ExpertPart* parts;
   double* inv_freq;
 
+  // CUDA graphs (design.md §6): one executable graph per shape bucket (lanes, slot groups, logit
+  // lanes), captured on first use and replayed after; every launch parameter a graph bakes in is a
+  // function of the bucket (launch sizes use bounds from max_ctx, not this step's positions), and
+  // positions, gather indices, write targets and block tables stay device inputs.
+  bool graphs = false;
+  std::map<std::tuple<int, int, int>, cudaGraphExec_t> graph_cache;
+  int graphs_captured = 0;
+
   StepLanes lanes;  // device views of the step inputs
   const int32_t* logit_lanes_dev = nullptr;
 
@@ -237,7 +248,9 @@ struct GpuEngine::Impl {
   void hc_pre_site(const HcWeights& w);
   void attention_layer(int l);
   void ffn_layer(int l);
-  int head(float* logits_out);
+  void head();
+  void launch_step();
+  void run_graph();
 };
 
 GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::vector<WeightEntry>& entries,
@@ -247,6 +260,9 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   csa = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 4) > 0;
   hca = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 128) > 0;
   max_blocks = (opts.max_ctx + kPageTokens - 1) / kPageTokens;
+  const char* env = std::getenv("DS4_GPU_GRAPHS");
+  graphs = env != nullptr && std::string(env) == "1";
+  attention_prepare();
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
@@ -306,6 +322,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
 }
 
 GpuEngine::Impl::~Impl() {
+  for (auto& g : graph_cache) (void)cudaGraphExecDestroy(g.second);
   if (stream) (void)cudaStreamDestroy(stream);
 }
 
@@ -408,7 +425,9 @@ void GpuEngine::Impl::carve_scratch() {
       {reinterpret_cast<void**>(&logits), 4 * R * cfg.n_vocab},
       {reinterpret_cast<void**>(&inv_freq), 8 * static_cast<int64_t>(cfg.n_layer) * (cfg.rope_dim / 2)},
   };
-  auto padded = [](int64_t b) { return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign); };
+  auto padded = [](int64_t b) {
+    return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
+  };
   uint64_t total = 0;
   for (const Part& p : parts_list) total += padded(p.bytes);
   arena = DeviceMemory(total);
@@ -585,15 +604,22 @@ void GpuEngine::Impl::attention_layer(int l) {
     add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
   }
 
-  // (B) per slot.
+  // (B) per slot. Launch sizes: this step's largest key count and indexer candidate count, or
+  // under graph capture their bounds for any position below max_ctx (results are the same: the
+  // kernels read each lane's own counts; the sizes only bound shared memory and the grid).
   int max_keys = 0, max_vis = 0;
-  for (int i = 0; i < n; ++i) {
-    const int64_t t = pos[i];
-    int keys = static_cast<int>(std::min<int64_t>(t + 1, kRingRows));
-    if (L.ratio == 4) keys += static_cast<int>(std::min<int64_t>(cfg.index_topk, (t + 1) / 4));
-    if (L.ratio == 128) keys += static_cast<int>((t + 1) / 128);
-    max_keys = std::max(max_keys, keys);
-    max_vis = std::max(max_vis, static_cast<int>((t + 1) / 4));
+  if (graphs) {
+    max_keys = kRingRows + (L.ratio == 4 ? static_cast<int>(n_sel) : L.ratio == 128 ? opts.max_ctx / 128 : 0);
+    max_vis = static_cast<int>(n_idx);
+  } else {
+    for (int i = 0; i < n; ++i) {
+      const int64_t t = pos[i];
+      int keys = static_cast<int>(std::min<int64_t>(t + 1, kRingRows));
+      if (L.ratio == 4) keys += static_cast<int>(std::min<int64_t>(cfg.index_topk, (t + 1) / 4));
+      if (L.ratio == 128) keys += static_cast<int>((t + 1) / 128);
+      max_keys = std::max(max_keys, keys);
+      max_vis = std::max(max_vis, static_cast<int>((t + 1) / 4));
+    }
   }
   if (L.ratio > 0) {
     CompressorLaunch a;
@@ -709,17 +735,56 @@ void GpuEngine::Impl::ffn_layer(int l) {
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
 }
 
-int GpuEngine::Impl::head(float* logits_out) {
+void GpuEngine::Impl::head() {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   const int n_out = static_cast<int>(logit_lanes.size());
-  if (n_out == 0) return 0;
+  if (n_out == 0) return;
   mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
   hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
           cfg.norm_eps, head_in, stream);
   rms_norm(head_in, d, dw.output_norm, head_in, d, n_out, d, cfg.norm_eps, stream);
   mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
-  DS4_GPU_CHECK(cudaMemcpyAsync(logits_out, logits, 4ull * n_out * cfg.n_vocab, cudaMemcpyDeviceToHost, stream));
-  return n_out;
+}
+
+// Every kernel of a step, in order, on the stream (the inputs are already on their way).
+void GpuEngine::Impl::launch_step() {
+  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
+  replicate_streams(x_hc, n, cfg.hc_mult, cfg.n_embd, stream);
+  for (int l = 0; l < cfg.n_layer; ++l) {
+    attention_layer(l);
+    ffn_layer(l);
+  }
+  head();
+}
+
+// Replay the step's bucket graph, capturing it first if this bucket is new.
+void GpuEngine::Impl::run_graph() {
+  constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
+  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()));
+  auto it = graph_cache.find(key);
+  if (it == graph_cache.end()) {
+    if (graph_cache.size() >= kMaxGraphs) {
+      for (auto& g : graph_cache) (void)cudaGraphExecDestroy(g.second);
+      graph_cache.clear();
+    }
+    cudaGraph_t graph = nullptr;
+    DS4_GPU_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+    try {
+      launch_step();
+    } catch (...) {
+      (void)cudaStreamEndCapture(stream, &graph);
+      if (graph) (void)cudaGraphDestroy(graph);
+      throw;
+    }
+    DS4_GPU_CHECK(cudaStreamEndCapture(stream, &graph));
+    cudaGraphExec_t exec = nullptr;
+    const cudaError_t err = cudaGraphInstantiate(&exec, graph, 0);
+    (void)cudaGraphDestroy(graph);
+    check(err, "cudaGraphInstantiate");
+    it = graph_cache.emplace(key, exec).first;
+    ++graphs_captured;
+  }
+  DS4_GPU_CHECK(cudaGraphLaunch(it->second, stream));
 }
 
 // --- GpuEngine -------------------------------------------------------------------------------
@@ -744,16 +809,19 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
   for (int i = 0; i < n_lanes; ++i)
     if (lane_logits[i]) m.logit_lanes.push_back(i);
   m.upload_inputs(n_lanes, lane_slot, lane_token, lane_pos);
-  embed_rows(m.dw.embed, m.lanes.token, n_lanes, m.x_hc, static_cast<int64_t>(m.cfg.hc_mult) * m.cfg.n_embd,
-             m.stream);
-  replicate_streams(m.x_hc, n_lanes, m.cfg.hc_mult, m.cfg.n_embd, m.stream);
-  for (int l = 0; l < m.cfg.n_layer; ++l) {
-    m.attention_layer(l);
-    m.ffn_layer(l);
+  if (m.graphs) {
+    m.run_graph();
+  } else {
+    m.launch_step();
   }
-  m.head(logits_out);
+  const uint64_t out_bytes = 4ull * m.logit_lanes.size() * m.cfg.n_vocab;
+  if (out_bytes) DS4_GPU_CHECK(cudaMemcpyAsync(logits_out, m.logits, out_bytes, cudaMemcpyDeviceToHost, m.stream));
   DS4_GPU_CHECK(cudaStreamSynchronize(m.stream));
 }
+
+void GpuEngine::set_graphs(bool on) { impl_->graphs = on; }
+bool GpuEngine::graphs() const { return impl_->graphs; }
+int GpuEngine::graphs_captured() const { return impl_->graphs_captured; }
 
 // Zero the slot's rings, set its compressor states to (0, -inf) and its block table to -1 (the
 // CPU's PagedState::reset_slot); pages are left as they are, as there.
@@ -838,6 +906,63 @@ SlotStateExport GpuEngine::export_slot_state(int slot, const int32_t* block_tabl
     }
   }
   return out;
+}
+
+void GpuEngine::import_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens,
+                                  const SlotStateExport& st) {
+  Impl& m = *impl_;
+  const ModelConfig& c = m.cfg;
+  auto fail = [](const std::string& msg) { throw std::invalid_argument("import_slot_state: " + msg); };
+  if (slot < 0 || slot >= m.opts.max_slots) fail("slot " + std::to_string(slot) + " out of range");
+  if (n_tokens < 0 || n_tokens > m.opts.max_ctx) fail("n_tokens " + std::to_string(n_tokens) + " outside 0..max_ctx");
+  if (max_blocks < 0) fail("negative max_blocks");
+  const size_t L = static_cast<size_t>(c.n_layer);
+  if (st.ring.size() != L || st.comp.size() != L || st.index.size() != L || st.attn_kv.size() != L ||
+      st.attn_score.size() != L || st.index_kv.size() != L || st.index_score.size() != L)
+    fail("the state has a different layer count");
+  auto page = [&](int64_t lp) {
+    const int32_t p = lp < max_blocks ? block_table[lp] : -1;
+    if (p < 0 || p >= m.opts.n_pages)
+      fail("logical page " + std::to_string(lp) + " maps to " + std::to_string(p) + ", not a page of the pool");
+    return static_cast<int64_t>(p);
+  };
+  auto up = [](uint8_t* dst, const void* src, uint64_t bytes, size_t have) {
+    if (have < bytes) throw std::invalid_argument("import_slot_state: a part of the state is too short");
+    if (bytes) DS4_GPU_CHECK(cudaMemcpy(dst, src, bytes, cudaMemcpyHostToDevice));
+  };
+  DS4_GPU_CHECK(cudaStreamSynchronize(m.stream));
+  const int64_t hd = c.head_dim, ihd = c.index_head_dim;
+  uint8_t* pages = m.pages.data();
+  uint8_t* states = m.states.data() + 4ull * m.layout.state_per_slot * slot;
+  for (int l = 0; l < c.n_layer; ++l) {
+    const Layout::Layer& Ly = m.layout.layers[l];
+    up(m.rings.data() + 2ull * (static_cast<uint64_t>(l) * m.opts.max_slots + slot) * kRingRows * hd,
+       st.ring[l].data(), 2ull * kRingRows * hd, 2 * st.ring[l].size());
+    if (Ly.ratio == 0) continue;
+    const int64_t n_rows = n_tokens / Ly.ratio;
+    for (int64_t j = 0; j < n_rows; ++j) {
+      const int64_t start = j * Ly.ratio;
+      const int64_t p = page(start / kPageTokens);
+      const int64_t r = (start % kPageTokens) / Ly.ratio;
+      if (st.comp[l].size() < static_cast<size_t>((j + 1) * hd)) fail("too few compressed rows");
+      up(pages + 2 * (p * m.layout.page_elems + Ly.comp_off + r * hd), st.comp[l].data() + j * hd, 2ull * hd,
+         2ull * hd);
+      if (Ly.ratio == 4) {
+        if (st.index[l].size() < static_cast<size_t>((j + 1) * ihd)) fail("too few indexer rows");
+        up(pages + 2 * (p * m.layout.page_elems + Ly.idx_off + r * ihd), st.index[l].data() + j * ihd, 2ull * ihd,
+           2ull * ihd);
+      }
+    }
+    const uint64_t na = static_cast<uint64_t>(Ly.attn_rows) * Ly.attn_width;
+    const uint64_t ni = static_cast<uint64_t>(Ly.idx_rows) * Ly.idx_width;
+    uint8_t* base = states + 4 * Ly.state_off;
+    up(base, st.attn_kv[l].data(), 4 * na, 4 * st.attn_kv[l].size());
+    up(base + 4 * na, st.attn_score[l].data(), 4 * na, 4 * st.attn_score[l].size());
+    if (Ly.ratio == 4) {
+      up(base + 8 * na, st.index_kv[l].data(), 4 * ni, 4 * st.index_kv[l].size());
+      up(base + 8 * na + 4 * ni, st.index_score[l].data(), 4 * ni, 4 * st.index_score[l].size());
+    }
+  }
 }
 
 std::vector<std::pair<std::string, uint64_t>> GpuEngine::allocated_bytes() const {

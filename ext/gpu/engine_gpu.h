@@ -6,7 +6,8 @@
 // device state (per slot the f16 rings and the fp32 compressor states, the shared page pool of
 // f16 compressed rows) and a host mirror of the block tables. step() uploads the step's small
 // int arrays (lanes, positions, slot groups, block-table rows) in one copy, runs phases A/B/C of
-// every layer and the head on one stream, and copies the logits back.
+// every layer and the head on one stream (or replays the step's CUDA graph), and copies the
+// logits back.
 //
 // Numerics are the CPU executor's (fp32 activations, f16 rows, the optional QAT round trips,
 // indexer ties to the lower entry, router ties to the lower expert, each lane summing its experts
@@ -48,10 +49,22 @@ class GpuEngine {
             int max_blocks, float* logits_out);
   void reset_slot(int slot);
   SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens) const;
+  // Testing hook, the inverse of export_slot_state: make a slot hold exactly `state` (an export of
+  // this or another engine after n_tokens tokens, same model): rings, the compressed and indexer
+  // rows through block_table, the compressor states. Lets a test start every step of the GPU from
+  // the CPU engine's state (teacher forcing with state), so a comparison measures one step alone.
+  void import_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens,
+                         const SlotStateExport& state);
   // Device bytes by section: "rings", "compressor_state", "pages", "step_inputs", "scratch",
   // "weights_device" (ds4_app/engine/memory.py plan_device_memory computes the same).
   std::vector<std::pair<std::string, uint64_t>> allocated_bytes() const;
   std::string device_name() const;
+  // Replay one CUDA graph per shape bucket (lanes, slots in the step, logit lanes) instead of
+  // launching each kernel: the same kernels with the same arguments, so the same bits. Default:
+  // the environment variable DS4_GPU_GRAPHS=1 turns it on.
+  void set_graphs(bool on);
+  bool graphs() const;
+  int graphs_captured() const;  // graphs built so far (new buckets)
 
  private:
   struct Impl;
@@ -73,8 +86,14 @@ class GpuEngine {
   SlotStateExport export_slot_state(int, const int32_t*, int, int64_t) const {
     throw std::runtime_error("no GPU backend");
   }
+  void import_slot_state(int, const int32_t*, int, int64_t, const SlotStateExport&) {
+    throw std::runtime_error("no GPU backend");
+  }
   std::vector<std::pair<std::string, uint64_t>> allocated_bytes() const { throw std::runtime_error("no GPU backend"); }
   std::string device_name() const { return std::string(); }
+  void set_graphs(bool) { throw std::runtime_error("no GPU backend"); }
+  bool graphs() const { return false; }
+  int graphs_captured() const { return 0; }
 };
 
 #endif

@@ -291,9 +291,49 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+__global__ void __launch_bounds__(kRowThreads) qat_rows_kernel(float* __restrict__ X, int n, int kind) {
+  extern __shared__ float row[];
+  float* x = X + static_cast<int64_t>(blockIdx.x) * n;
+  for (int i = threadIdx.x; i < n; i += kRowThreads) row[i] = x[i];
+  __syncthreads();
+  if (kind == 0) {
+    fp8_block(row, n);
+  } else if (kind == 1) {
+    fp4_block(row, n);
+  } else if (kind == 2) {
+    hadamard_block(row, n);
+  } else {
+    for (int i = threadIdx.x; i < n; i += kRowThreads) row[i] = half_bits_to_float(f32_to_f16_bits(row[i]));
+    __syncthreads();
+  }
+  for (int i = threadIdx.x; i < n; i += kRowThreads) x[i] = row[i];
+}
+
 cudaStream_t cs(Stream s) { return static_cast<cudaStream_t>(s); }
 
 }  // namespace
+
+namespace testing {
+
+void qat_rows(int kind, float* X, int n_rows, int n) {
+  if (kind < 0 || kind > 3 || n <= 0 || n > 4096) throw std::invalid_argument("qat_rows: kind 0..3, n 1..4096");
+  if ((kind == 0 && n % 64) || (kind == 1 && n % 32) || (kind == 2 && (n & (n - 1))))
+    throw std::invalid_argument("qat_rows: FP8 needs n % 64 == 0, FP4 n % 32 == 0, Hadamard a power of two");
+  if (n_rows <= 0) return;
+  const size_t bytes = static_cast<size_t>(n_rows) * n * sizeof(float);
+  float* d = nullptr;
+  DS4_GPU_CHECK(cudaMalloc(&d, bytes));
+  cudaError_t err = cudaMemcpy(d, X, bytes, cudaMemcpyHostToDevice);
+  if (err == cudaSuccess) {
+    qat_rows_kernel<<<n_rows, kRowThreads, n * sizeof(float)>>>(d, n, kind);
+    err = cudaGetLastError();
+  }
+  if (err == cudaSuccess) err = cudaMemcpy(X, d, bytes, cudaMemcpyDeviceToHost);
+  (void)cudaFree(d);
+  check(err, "qat_rows");
+}
+
+}  // namespace testing
 
 void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
   if (n <= 0 || hc <= 1) return;

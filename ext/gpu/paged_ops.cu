@@ -330,6 +330,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_paged_kernel(Attention
     }
   __syncthreads();
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
+#pragma unroll 2
   for (int i = warp; i < n; i += kAttnWarps) {
     const uint16_t* row = kp[i];
     float kf[CH][8];
@@ -376,6 +377,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_paged_kernel(Attention
     float o[HB][2];
 #pragma unroll
     for (int h = 0; h < HB; ++h) o[h][0] = o[h][1] = 0.0f;
+#pragma unroll 4  // independent loads in flight; the sums still run in key order
     for (int i = 0; i < n; ++i) {
       const uint32_t kk = ds4_ldg(reinterpret_cast<const uint32_t*>(kp[i]) + e2);
       const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);
@@ -404,18 +406,19 @@ __global__ void __launch_bounds__(kAttnThreads) attention_paged_kernel(Attention
   }
 }
 
+// The device's opt-in shared memory per block, read once.
 int smem_optin_limit() {
-  int dev = 0, bytes = 0;
-  DS4_GPU_CHECK(cudaGetDevice(&dev));
-  DS4_GPU_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
-  return bytes;
+  static const int limit = [] {
+    int dev = 0, bytes = 0;
+    DS4_GPU_CHECK(cudaGetDevice(&dev));
+    DS4_GPU_CHECK(cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev));
+    return bytes;
+  }();
+  return limit;
 }
 
 template <int HB>
 void launch_attention(const AttentionLaunch& a, const StepLanes& L, int n, size_t smem, cudaStream_t s) {
-  if (smem > 48 * 1024)
-    DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<HB>),
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const dim3 grid(static_cast<unsigned>((a.n_head + HB - 1) / HB), static_cast<unsigned>(n));
   attention_paged_kernel<HB><<<grid, kAttnThreads, smem, s>>>(a, L);
 }
@@ -450,12 +453,15 @@ void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head
   if (smem > 48 * 1024) throw std::invalid_argument("GPU indexer: index heads x head_dim above 12000 values");
   const dim3 grid(static_cast<unsigned>((max_vis + kIdxPerBlock - 1) / kIdxPerBlock), static_cast<unsigned>(n));
   const cudaStream_t st = cs(s);
+  auto launch = [&](auto kernel) {
+    kernel<<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores);
+  };
   switch (head_dim) {
-    case 32: indexer_scores_kernel<1><<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores); break;
-    case 64: indexer_scores_kernel<2><<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores); break;
-    case 128: indexer_scores_kernel<4><<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores); break;
-    case 256: indexer_scores_kernel<8><<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores); break;
-    case 512: indexer_scores_kernel<16><<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores); break;
+    case 32: launch(indexer_scores_kernel<1>); break;
+    case 64: launch(indexer_scores_kernel<2>); break;
+    case 128: launch(indexer_scores_kernel<4>); break;
+    case 256: launch(indexer_scores_kernel<8>); break;
+    case 512: launch(indexer_scores_kernel<16>); break;
     default: throw std::invalid_argument("GPU indexer: index_head_dim must be 32, 64, 128, 256 or 512");
   }
   DS4_GPU_CHECK_LAUNCH("indexer_scores_kernel");
@@ -466,6 +472,17 @@ void indexer_topk(const float* scores, int64_t ld_scores, int n, const int32_t* 
   if (n <= 0) return;
   indexer_topk_kernel<<<n, kTopkThreads, 0, cs(s)>>>(scores, ld_scores, pos, top_k, sel, ld_sel);
   DS4_GPU_CHECK_LAUNCH("indexer_topk_kernel");
+}
+
+void attention_prepare() {
+  // Raised once, outside any graph capture: every launch may then ask for up to the opt-in limit.
+  const int limit = smem_optin_limit();
+  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<4>),
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<2>),
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<1>),
+                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
 }
 
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s) {

@@ -1,0 +1,268 @@
+"""Decode and prefill throughput of the GPU engine on a DS4 GGUF, each decode figure against its roofline.
+
+    python3 ext/gpu/bench/engine_bench.py MODEL.gguf [--json OUT.json] [--ctx 600] [--steps 32]
+                                                     [--long-ctx 2100]
+
+Through Runner(backend="cuda"|"hip"), one engine step per runner.step call (host time, which
+includes the plan upload, every kernel and the logits download). Method:
+
+- copy bandwidth: a 4 GiB device-to-device copy through PyTorch (bytes read + written), median of
+  10 timed with device events after 3 warm-ups; also a 4 GiB read-only reduction;
+- prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (logits for the last
+  row of each step only), tok/s = 2048 / wall time;
+- decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 8 the first C
+  slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
+  C / median step time;
+- prefill and decode each twice: kernels launched one by one, then CUDA graph replay (one graph
+  per shape bucket, captured during the warm-up);
+- then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
+  indexer then scores 525 entries a lane and keeps 512);
+- a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
+  (at the long context) and 2 prefill steps of 64 rows, into JSON.profile.txt;
+- roofline: the bytes a decode step must read: every tensor except the expert stacks and the
+  embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
+  C embedding rows; per lane and layer its attention keys (window and compressed rows, f16) and, on
+  CSA layers, every indexer row it scores. Roofline time = bytes / copy bandwidth; the fraction is
+  roofline time / measured step time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3]))
+
+from ds4_app.engine import _native  # noqa: E402
+from ds4_app.engine.gguf_file import ModelFile  # noqa: E402
+from ds4_app.engine.plan import StepPlan  # noqa: E402
+from ds4_app.engine.runner import Runner  # noqa: E402
+
+SLOTS = 8
+MAX_CTX = 4096
+BLOCKS = MAX_CTX // 128
+
+
+def bandwidth() -> dict[str, float]:
+    """Device copy (read + write) and read bandwidth in GB/s, through PyTorch."""
+    import torch
+
+    n = 1 << 30  # floats: 4 GiB
+    a = torch.rand(n, device="cuda")
+    b = torch.empty_like(a)
+
+    def timed(fn, reps=10) -> float:
+        for _ in range(3):
+            fn()
+        times = []
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e) / 1e3)
+        return statistics.median(times)
+
+    t_copy = timed(lambda: b.copy_(a))
+    t_read = timed(lambda: a.sum())
+    out = {"copy_GBps": 2 * 4 * n / t_copy / 1e9, "read_GBps": 4 * n / t_read / 1e9}
+    a = b = None  # free the 8 GiB before the model loads
+    torch.cuda.empty_cache()
+    return out
+
+
+def step_bytes(mf: ModelFile, c: int, ctx: int) -> float:
+    """Bytes one decode step of c lanes at context ctx must read (see the module docstring)."""
+    cfg = mf.config
+    e, k = cfg.n_expert, cfg.n_expert_used
+    distinct = e * (1.0 - (1.0 - k / e) ** c)
+    total = 0.0
+    for t in mf.tensors.values():
+        if t.name.endswith("_exps.weight"):
+            total += t.nbytes / e * distinct
+        elif t.name == "token_embd.weight":
+            total += c * t.nbytes / cfg.n_vocab
+        elif "tid2eid" in t.name:
+            total += c * k * 4
+        else:
+            total += t.nbytes
+    for r in cfg.compress_ratios:
+        keys = min(ctx, 128) + (min(cfg.index_topk, ctx // 4) if r == 4 else ctx // 128 if r == 128 else 0)
+        total += c * keys * cfg.head_dim * 2
+        if r == 4:
+            total += c * (ctx // 4) * cfg.index_head_dim * 2
+    return total
+
+
+def table(slot: int) -> list[int]:
+    return [slot * BLOCKS + b for b in range(BLOCKS)]
+
+
+def prefill(runner: Runner, slot: int, tokens: np.ndarray, rows: int) -> np.ndarray:
+    logits = None
+    for p0 in range(0, len(tokens), rows):
+        p1 = min(len(tokens), p0 + rows)
+        lanes = [(slot, int(tokens[k]), k, k == p1 - 1) for k in range(p0, p1)]
+        logits = runner.step(StepPlan.build(lanes, {slot: table(slot)}, BLOCKS))
+    return logits
+
+
+def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | None) -> dict:
+    """Device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and C = 8 and
+    2 prefill steps of 64 rows; the tables go to path, the top kernels into the result."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    def dev_time(e) -> float:
+        for name in ("self_device_time_total", "self_cuda_time_total", "device_time_total", "cuda_time_total"):
+            if hasattr(e, name):
+                return float(getattr(e, name))
+        return 0.0
+
+    out, text = {}, []
+    cases = {"decode_c1": 1, "decode_c8": 8, "prefill_64": 0}
+    for name, c in cases.items():
+        with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(5 if c else 2):
+                if c:
+                    lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
+                    logits = runner.step(StepPlan.build(lanes, {s: table(s) for s in range(c)}, BLOCKS))
+                    for s in range(c):
+                        nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
+                else:
+                    runner.reset_slot(SLOTS - 1)
+                    lanes = [(SLOTS - 1, 5 + k, k, k == 63) for k in range(64)]
+                    runner.step(StepPlan.build(lanes, {SLOTS - 1: table(SLOTS - 1)}, BLOCKS))
+        rows = sorted(((e.key, e.count, dev_time(e)) for e in prof.key_averages()), key=lambda r: -r[2])
+        total = sum(r[2] for r in rows)
+        steps = 5 if c else 2
+        out[name] = {"device_us_per_step": total / steps,
+                     "top": [{"kernel": k[:120], "calls_per_step": n / steps, "us_per_step": t / steps}
+                             for k, n, t in rows[:15]]}
+        text.append(f"== {name}: {total / steps:.0f} us of device time per step")
+        text += [f"{t / steps:9.1f} us  {n / steps:6.1f} calls  {k[:110]}" for k, n, t in rows[:25]]
+    if path is not None:
+        path.write_text("\n".join(text) + "\n")
+    print("\n".join(text[:12]))
+    return out
+
+
+def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, steps: int,
+           copy_bw: float | None) -> list[dict]:
+    """Greedy decode of the first C slots for each C: step times, tok/s and the roofline fraction."""
+    rows = []
+    for c in concurrencies:
+        times = []
+        for i in range(3 + steps):
+            lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
+            plan = StepPlan.build(lanes, {s: table(s) for s in range(c)}, BLOCKS)
+            t0 = time.perf_counter()
+            logits = runner.step(plan)
+            dt = time.perf_counter() - t0
+            if i >= 3:
+                times.append(dt)
+            for s in range(c):
+                nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
+        step = statistics.median(times)
+        nbytes = step_bytes(mf, c, pos[0])
+        row = {"concurrency": c, "step_ms_median": step * 1e3, "step_ms_min": min(times) * 1e3,
+               "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
+        if copy_bw:
+            roof = nbytes / (copy_bw * 1e9)
+            row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
+        rows.append(row)
+        print(f"decode C={c}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
+              f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
+                                                f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
+    return rows
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--json")
+    ap.add_argument("--ctx", type=int, default=600)
+    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
+    args = ap.parse_args()
+    result: dict = {"model": args.model}
+    try:
+        result["bandwidth"] = bandwidth()
+    except Exception as e:  # no PyTorch: the rooflines are left out
+        result["bandwidth"] = {"error": f"{type(e).__name__}: {e}"}
+    print("bandwidth:", result["bandwidth"], flush=True)
+
+    mf = ModelFile.open(args.model)
+    t0 = time.perf_counter()
+    runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX, max_rows=64)
+    result["load_s"] = time.perf_counter() - t0
+    result["device"] = runner.device
+    result["memory_plan"] = runner.memory_plan.sections
+    print(f"{runner!r}: loaded in {result['load_s']:.1f} s", flush=True)
+    rng = np.random.default_rng(0)
+
+    result["prefill"] = []
+    for graphs in (False, True):
+        runner._impl.use_graphs = graphs
+        for rows in (16, 64):
+            runner.reset_slot(SLOTS - 1)
+            prompt = rng.integers(0, mf.config.n_vocab, 2048)
+            prefill(runner, SLOTS - 1, prompt[:2 * rows], rows)  # warm-up (and the graph capture)
+            runner.reset_slot(SLOTS - 1)
+            t0 = time.perf_counter()
+            prefill(runner, SLOTS - 1, prompt, rows)
+            dt = time.perf_counter() - t0
+            result["prefill"].append({"graphs": graphs, "rows_per_step": rows, "tokens": len(prompt), "seconds": dt,
+                                      "tok_s": len(prompt) / dt})
+            print(f"prefill {rows} rows/step{' (graphs)' if graphs else ''}: {len(prompt) / dt:.0f} tok/s", flush=True)
+    runner.reset_slot(SLOTS - 1)
+    runner._impl.use_graphs = False
+
+    nxt, pos = {}, {}
+    for s in range(SLOTS):
+        logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
+        nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
+    copy_bw = result["bandwidth"].get("copy_GBps")
+    result["decode"] = []
+    for graphs in (False, True):
+        runner._impl.use_graphs = graphs
+        print(f"-- decode, {'graph replay' if graphs else 'eager launches'}", flush=True)
+        result["decode"] += [dict(r, graphs=graphs) for r in decode(runner, mf, nxt, pos, (1, 2, 4, 8), args.steps,
+                                                                    copy_bw)]
+    runner._impl.use_graphs = False
+    if args.long_ctx:
+        for s in range(SLOTS):
+            runner.reset_slot(s)
+            logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.long_ctx), 64)
+            nxt[s], pos[s] = int(np.argmax(logits[-1])), args.long_ctx
+        result["decode_long"] = []
+        for graphs in (False, True):
+            runner._impl.use_graphs = graphs
+            print(f"-- decode at {args.long_ctx}, {'graph replay' if graphs else 'eager launches'}", flush=True)
+            result["decode_long"] += [dict(r, graphs=graphs) for r in decode(runner, mf, nxt, pos, (1, 8), args.steps,
+                                                                             copy_bw)]
+        runner._impl.use_graphs = False
+    result["graphs_captured"] = runner._impl.graphs_captured
+
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    try:
+        result["profile"] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(".profile.txt") if args.json
+                                   else None)
+    except Exception as e:  # the profile is a diagnostic; the figures above stand without it
+        result["profile"] = {"error": f"{type(e).__name__}: {e}"}
+        print("profile:", result["profile"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
