@@ -197,11 +197,13 @@ class DS4App(App[None]):
             self.tabs.set_label(message.session_id, view.session.title, message.busy)
 
     @on(TabbedContent.TabActivated)
-    def _focus_input(self, event: TabbedContent.TabActivated) -> None:
+    def _show_chat(self, event: TabbedContent.TabActivated) -> None:
+        # The chat draws what streamed while it was hidden, and takes the cursor.
         # Focusing posts TabPane.Focused, which sets the active tab: act only on the tab that is
         # active now, or a stale event would pull the view back to a tab the user just left.
         if event.pane.id == self.tabs.active:
             for view in event.pane.query(ChatView):
+                view.catch_up()
                 view.input.focus()
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:

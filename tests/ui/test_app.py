@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 
 from textual.command import CommandList, CommandPalette
-from textual.widgets import Collapsible, Input
+from textual.widgets import Collapsible, Input, Markdown
 
 from ds4_app.engine.api import QueueFull
 from ds4_app.ui.app import DS4App
@@ -457,3 +457,26 @@ async def test_palette_offers_every_action(tmp_path: Path, engine: FakeEngine) -
         await wait_until(pilot, lambda: app.screen.query_one(CommandList).option_count > 0, what="palette results")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.tabs.chats()) == 2, what="the palette to open a tab")
+
+
+async def test_a_hidden_tab_draws_its_reply_when_shown(tmp_path: Path) -> None:
+    # Parsing Markdown for replies nobody sees cost the UI loop more than the one on screen: a
+    # chat in a hidden tab keeps the text and draws it once when its tab is shown.
+    engine = FakeEngine(pause_after=2)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        await send(pilot, "one two three four five six")
+        first = chat(app)
+        await wait_until(pilot, lambda: messages(first)[-1][1] == "You said: ", what="tab 1 streaming")
+        reply = first.query(ChatMessage).last()
+        drawn = lambda: reply.query_one(".content", Markdown).source  # noqa: E731
+        await wait_until(pilot, lambda: drawn() == "You said: ", what="the start drawn")
+        await pilot.press("ctrl+n")
+        assert not first.shown and chat(app).shown
+        engine.resume()
+        await wait_until(pilot, lambda: not first.busy, what="the reply to finish while hidden")
+        assert reply.content == "You said: one two three four five six" and drawn() == "You said: "
+        assert first.history[-1].content == reply.content  # stored all the same
+        await pilot.press("alt+1")
+        await wait_until(pilot, lambda: drawn() == reply.content, what="the reply drawn")
+        assert "done" in str(reply.query_one(".note").render())

@@ -5,6 +5,10 @@ appends to the Markdown document (only the last block is re-parsed) and batches 
 arrive faster than it can render. When the reply ends, the streams stop and the widgets get one
 full ``update`` with the final text, so a partly parsed block (an open code fence) cannot drop
 content.
+
+A message nobody can see (its chat is in a hidden tab) only collects its text: parsing Markdown
+and mounting blocks for five hidden streams cost the UI loop more than the one on screen. It is
+drawn in one ``update`` when its tab is shown (``catch_up``).
 """
 
 from __future__ import annotations
@@ -68,6 +72,7 @@ class ChatMessage(Vertical):
         self._note = note
         self.streaming = streaming
         self._streams: dict[str, MarkdownStream] = {}
+        self._behind = False  # text arrived while hidden and is not drawn yet
 
     def compose(self) -> ComposeResult:
         # The folded reasoning and the note are only created when there is something to show:
@@ -89,8 +94,19 @@ class ChatMessage(Vertical):
         """The reasoning text as far as it has arrived."""
         return self._reasoning
 
-    async def append(self, content: str = "", reasoning: str = "") -> None:
-        """Stream more text onto the end of the reply (either part may be empty)."""
+    async def append(self, content: str = "", reasoning: str = "", *, shown: bool = True) -> None:
+        """Stream more text onto the end of the reply (either part may be empty). With ``shown``
+        False the text is only kept, to be drawn by ``catch_up``."""
+        if not shown:
+            self._content += content
+            self._reasoning += reasoning
+            self._behind = self._behind or bool(content or reasoning)
+            return
+        if self._behind:
+            self._content += content
+            self._reasoning += reasoning
+            await self.catch_up()
+            return
         if reasoning:
             if not self.query(Collapsible):
                 await self.mount(self._folded(), before=self.query_one(".content"))
@@ -100,21 +116,35 @@ class ChatMessage(Vertical):
             self._content += content
             await self._stream("content").write(content)
 
-    async def finish(self, content: str, reasoning: str, note: str) -> None:
-        """End the stream: render the final text in full once, and show ``note`` under it."""
+    async def finish(self, content: str, reasoning: str, note: str, *, shown: bool = True) -> None:
+        """End the stream: render the final text in full once, and show ``note`` under it. With
+        ``shown`` False the final render waits for ``catch_up``."""
         self.streaming = False
+        self._content, self._reasoning = content, reasoning
+        await self.set_note(note)
+        if shown:
+            await self._redraw()
+        else:
+            self._behind = True
+
+    async def catch_up(self) -> None:
+        """Draw the text that arrived while hidden (one full render); nothing if none did."""
+        if self._behind:
+            await self._redraw()
+
+    async def _redraw(self) -> None:
+        """Stop the streams and render the whole text as it is now."""
+        self._behind = False
         for stream in self._streams.values():
             await stream.stop()
         self._streams.clear()
-        self._content, self._reasoning = content, reasoning
-        await self.query_one(".content", Markdown).update(content)
-        if reasoning:
+        await self.query_one(".content", Markdown).update(self._content)
+        if self._reasoning:
             if not self.query(Collapsible):
                 await self.mount(self._folded(), before=self.query_one(".content"))
             folded = self.query_one(Collapsible)
             folded.title = self._thinking_title()
-            await self.query_one(".reasoning", Markdown).update(reasoning)
-        await self.set_note(note)
+            await self.query_one(".reasoning", Markdown).update(self._reasoning)
 
     async def set_note(self, note: str) -> None:
         """Set the small line under the message (how a reply ended)."""

@@ -105,6 +105,12 @@ class ChatView(Vertical):
         return None
 
     @property
+    def shown(self) -> bool:
+        """True while this chat is on screen (not in a hidden tab). A hidden chat keeps the text
+        of its reply and draws it when shown (``catch_up``)."""
+        return all(node.display for node in self.ancestors_with_self)
+
+    @property
     def input(self) -> ChatInput:
         """The message box."""
         return self.query_one(ChatInput)
@@ -138,6 +144,16 @@ class ChatView(Vertical):
         self._store.rename_session(self.session.id, title)
         self.session = dataclasses.replace(self.session, title=title)
         self.post_message(SessionTitleChanged(self.session.id, title))
+
+    def catch_up(self) -> None:
+        """Draw what arrived while the tab was hidden (scheduled on this view, after the chunks
+        already queued)."""
+        self.call_later(self._catch_up)
+
+    async def _catch_up(self) -> None:
+        for message in self.query(ChatMessage):
+            await message.catch_up()
+        self.query_one("#log", VerticalScroll).scroll_end(animate=False)
 
     def close(self) -> None:
         """Before the tab goes away: cancel a running reply and keep what it said so far."""
@@ -216,7 +232,7 @@ class ChatView(Vertical):
             reply.content.append(chunk.content)
         if chunk.reasoning:
             reply.reasoning.append(chunk.reasoning)
-        await reply.widget.append(chunk.content, chunk.reasoning)
+        await reply.widget.append(chunk.content, chunk.reasoning, shown=self.shown)
         if chunk.finished is not None:
             await self._finish(reply, chunk.finished)
 
@@ -228,7 +244,7 @@ class ChatView(Vertical):
         content, reasoning = "".join(reply.content), "".join(reply.reasoning)
         # Stored before any await, so "not busy" always means "saved".
         if self._keep_reply(reply, finished):
-            await reply.widget.finish(content, reasoning, note)
+            await reply.widget.finish(content, reasoning, note, shown=self.shown)
         else:
             await reply.widget.remove()
         if finished.finish_reason == "error":
