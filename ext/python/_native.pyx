@@ -202,26 +202,45 @@ cdef class Engine:
     def step(self, plan):
         """Run one step of a StepPlan; returns float32 logits [plan.n_logits, n_vocab] in lane order."""
         cdef CEngine* eng = self._get()
+        # StepPlan holds contiguous int32 arrays already: these are views, not copies.
         lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
         lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
         lane_pos = np.ascontiguousarray(plan.lane_pos, dtype=np.int32)
         lane_logits = np.ascontiguousarray(plan.lane_logits, dtype=np.int32)
         table_slot = np.ascontiguousarray(plan.table_slot, dtype=np.int32)
         block_table = np.ascontiguousarray(plan.block_table, dtype=np.int32)
-        self._validate(lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table)
+        n = lane_slot.shape[0]
+        if lane_slot.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in (lane_token, lane_pos, lane_logits)):
+            raise ValueError("StepPlan lane arrays must be 1-D of one length")
+        if n > self.max_rows:
+            raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={self.max_rows}")
+        if table_slot.ndim != 1 or block_table.ndim != 2 or block_table.shape[0] != table_slot.shape[0]:
+            raise ValueError("StepPlan.block_table must have one row per table_slot")
 
-        cdef int n_lanes = lane_slot.shape[0]
-        cdef int n_tables = table_slot.shape[0]
-        cdef int max_blocks = block_table.shape[1]
-        out = np.empty((int(lane_logits.sum()), self.n_vocab), dtype=np.float32)
-        if n_lanes == 0:
-            return out
         cdef const int32_t[::1] ls = lane_slot
         cdef const int32_t[::1] lt = lane_token
         cdef const int32_t[::1] lp = lane_pos
         cdef const int32_t[::1] ll = lane_logits
         cdef const int32_t[::1] ts = table_slot
         cdef const int32_t[::1] bt = block_table.reshape(-1)
+        _check_range("lane_slot", ls, 0, self.max_slots)
+        _check_range("table_slot", ts, 0, self.max_slots)
+        _check_range("lane_token", lt, 0, self.n_vocab)
+        _check_range("lane_pos", lp, 0, self.max_ctx)
+        _check_range("lane_logits", ll, 0, 2)
+        _check_range("block_table", bt, -1, self.n_pages)
+        _check_slots(ls, lp, ts, self.max_slots)
+
+        cdef int n_lanes = ls.shape[0]
+        cdef int n_tables = ts.shape[0]
+        cdef int max_blocks = block_table.shape[1]
+        cdef Py_ssize_t i
+        cdef int n_out = 0
+        for i in range(n_lanes):
+            n_out += ll[i]
+        out = np.empty((n_out, self.n_vocab), dtype=np.float32)
+        if n_lanes == 0:
+            return out
         cdef float[:, ::1] o = out
         cdef int32_t empty_table = -1
         cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
@@ -230,22 +249,6 @@ cdef class Engine:
         with nogil:
             eng.step(n_lanes, &ls[0], &lt[0], &lp[0], &ll[0], n_tables, &ts[0], bt_ptr, max_blocks, o_ptr)
         return out
-
-    def _validate(self, lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table):
-        n = lane_slot.shape[0]
-        if lane_slot.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in (lane_token, lane_pos, lane_logits)):
-            raise ValueError("StepPlan lane arrays must be 1-D of one length")
-        if n > self.max_rows:
-            raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={self.max_rows}")
-        if table_slot.ndim != 1 or block_table.ndim != 2 or block_table.shape[0] != table_slot.shape[0]:
-            raise ValueError("StepPlan.block_table must have one row per table_slot")
-        _check_range("lane_slot", lane_slot, 0, self.max_slots)
-        _check_range("table_slot", table_slot, 0, self.max_slots)
-        _check_range("lane_token", lane_token, 0, self.n_vocab)
-        _check_range("lane_pos", lane_pos, 0, self.max_ctx)
-        _check_range("lane_logits", lane_logits, 0, 2)
-        _check_range("block_table", block_table.reshape(-1), -1, self.n_pages)
-        _check_slots(lane_slot, lane_pos, table_slot, self.max_slots)
 
     def reset_slot(self, int slot):
         """Forget everything a slot held, so a new sequence starts clean in it."""
@@ -300,15 +303,16 @@ cdef ModelConfig _model_config(config) except *:
 # validation costs about a microsecond, not the tens a chain of numpy calls would.
 
 
-def _check_range(str name, const int32_t[::1] arr, int64_t lo, int64_t hi):
+cdef int _check_range(str name, const int32_t[::1] arr, int64_t lo, int64_t hi) except -1:
     cdef Py_ssize_t i
     for i in range(arr.shape[0]):
         if arr[i] < lo or arr[i] >= hi:
             raise ValueError(f"StepPlan.{name}[{i}] = {arr[i]} is out of range {lo}..{hi - 1}")
+    return 0
 
 
-def _check_slots(const int32_t[::1] lane_slot, const int32_t[::1] lane_pos, const int32_t[::1] table_slot,
-                 int max_slots):
+cdef int _check_slots(const int32_t[::1] lane_slot, const int32_t[::1] lane_pos, const int32_t[::1] table_slot,
+                      int max_slots) except -1:
     """Each table slot once, each lane's slot in the table, each slot's lanes at consecutive positions."""
     cdef vector[int32_t] in_table, next_pos
     in_table.assign(max_slots, 0)
@@ -328,6 +332,7 @@ def _check_slots(const int32_t[::1] lane_slot, const int32_t[::1] lane_pos, cons
             raise ValueError(f"StepPlan lane {i}: slot {s} position {lane_pos[i]} does not follow its "
                              f"previous lane's position")
         next_pos[s] = lane_pos[i] + 1
+    return 0
 
 
 # --- private testing surface ---------------------------------------------------------------------
