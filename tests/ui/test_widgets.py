@@ -34,7 +34,7 @@ def lane(slot: int | None, state: str, pos: int, rid: str = "r", session: str | 
                      position=pos, context=pos, pages=1, tok_s=12.0)
 
 
-async def test_lanes_table_updates_cells_in_place(monkeypatch) -> None:
+async def test_lanes_table_redraws_only_on_change(monkeypatch) -> None:
     app = TableHost()
     async with app.run_test() as pilot:
         table = app.query_one(LanesTable)
@@ -45,15 +45,30 @@ async def test_lanes_table_updates_cells_in_place(monkeypatch) -> None:
         assert str(table.get_cell("slot-1", "session")) == "A rather long…"
         assert str(table.get_cell("queued-w", "session")) == "—"
         assert str(table.get_cell("slot-0", "tok_s")) == "–"  # no rate while in prefill
-        added: list[str] = []
-        original = table.add_row
-        monkeypatch.setattr(table, "add_row", lambda *a, key=None, **k: (added.append(key), original(*a, key=key, **k)))
-        table.show([lane(1, "decode", 11), lane(0, "decode", 6, "q", "s2")], {"s1": "A", "s2": "Two"})
-        await pilot.pause()
-        assert added == [] and table.keys == ["slot-0", "slot-1"]
+        lines = [str(line) for line in table.render().split()]
+        assert lines[0].split() == ["slot", "session", "state", "pos/ctx", "pages", "tok/s"]
+        assert lines[2].split() == ["1", "A", "rather", "long…", "decode", "10/10", "1", "12.0"]
+        assert len({len(line) for line in lines}) == 1 and table.size.height == 4  # header + 3 rows, aligned
+        refreshes: list[bool] = []
+        original = table.refresh
+        monkeypatch.setattr(table, "refresh", lambda *a, **k: (refreshes.append(k.get("layout", False)),
+                                                                original(*a, **k))[1])
+        table.show([lane(1, "decode", 10), lane(0, "prefill", 5, "q", "s2"), lane(None, "queued", 7, "w", None)],
+                   {"s1": "A rather long session title", "s2": "Two"})
+        assert refreshes == []  # the same rows: no redraw
+        table.show([lane(1, "decode", 11), lane(0, "decode", 6, "q", "s2"), lane(None, "queued", 7, "w", None)],
+                   {"s1": "A", "s2": "Two"})
+        assert refreshes == [False]  # a redraw, same height
         assert str(table.get_cell("slot-1", "pos")) == "11/11" and str(table.get_cell("slot-0", "state")) == "decode"
+        table.show([lane(1, "decode", 11), lane(0, "decode", 6, "q", "s2")], {"s1": "A", "s2": "Two"})
+        assert refreshes == [False, True] and table.keys == ["slot-0", "slot-1"]
         table.show([], {})
         assert table.keys == []
+        many = [lane(None, "queued", 1, f"r{i}", None) for i in range(20)]
+        table.show(many, {})
+        await pilot.pause()
+        rendered = str(table.render()).splitlines()
+        assert len(rendered) == table.size.height == 14 and rendered[-1].strip() == "+8 more"
 
 
 @given(st.lists(st.integers(0, 500), min_size=1, max_size=4), st.integers(0, 80), st.integers(0, 400))
