@@ -23,7 +23,11 @@ namespace ds4::gpu {
 
 // Throw std::runtime_error naming the failed call: used by every host launcher after a launch.
 inline void check(cudaError_t err, const char* what) {
-  if (err != cudaSuccess) throw std::runtime_error(std::string("GPU: ") + what + ": " + cudaGetErrorString(err));
+  if (err == cudaSuccess) return;
+  // Reset the runtime's last error, so the next launch check does not report this one again (a
+  // sticky error, such as an illegal address, stays whatever we do).
+  (void)cudaGetLastError();
+  throw std::runtime_error(std::string("GPU: ") + what + ": " + cudaGetErrorString(err));
 }
 #define DS4_GPU_CHECK(call) ::ds4::gpu::check((call), #call)
 #define DS4_GPU_CHECK_LAUNCH(name) ::ds4::gpu::check(cudaGetLastError(), name)

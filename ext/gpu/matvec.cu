@@ -58,15 +58,17 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
                      cudaStream_t s) {
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
+#if DS4_MV_TALL
   if (rows >= kTallRows) {
     const int64_t br = 2 * matvec_block_rows(NC, ks);
     matvec_dense_kernel<T, NC, true><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
         W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
-  } else {
-    const int64_t br = matvec_block_rows(NC, ks);
-    matvec_dense_kernel<T, NC, false><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
-        W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
+    return;
   }
+#endif
+  const int64_t br = matvec_block_rows(NC, ks);
+  matvec_dense_kernel<T, NC, false><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
+      W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
 }
 
 template <int T>

@@ -474,15 +474,30 @@ void indexer_topk(const float* scores, int64_t ld_scores, int n, const int32_t* 
   DS4_GPU_CHECK_LAUNCH("indexer_topk_kernel");
 }
 
+// The dynamic shared memory each head-group size may ask for: the device's opt-in limit less the
+// kernel's static shared memory (their sum is what the attribute bounds), raised once, outside any
+// graph capture; 48 KB less the static part where raising it fails.
+static size_t attn_dyn_limit[5] = {0, 0, 0, 0, 0};  // indexed by HB (1, 2, 4)
+
+template <int HB>
+static void prepare_attention_kernel() {
+  const void* fn = reinterpret_cast<const void*>(&attention_paged_kernel<HB>);
+  cudaFuncAttributes attr;
+  DS4_GPU_CHECK(cudaFuncGetAttributes(&attr, fn));
+  const size_t stat = attr.sharedSizeBytes;
+  const size_t optin = static_cast<size_t>(smem_optin_limit());
+  size_t dyn = optin > stat ? optin - stat : 0;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(dyn)) != cudaSuccess) {
+    (void)cudaGetLastError();
+    dyn = 48 * 1024 > stat ? 48 * 1024 - stat : 0;
+  }
+  attn_dyn_limit[HB] = dyn;
+}
+
 void attention_prepare() {
-  // Raised once, outside any graph capture: every launch may then ask for up to the opt-in limit.
-  const int limit = smem_optin_limit();
-  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<4>),
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<2>),
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
-  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_paged_kernel<1>),
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, limit));
+  prepare_attention_kernel<4>();
+  prepare_attention_kernel<2>();
+  prepare_attention_kernel<1>();
 }
 
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s) {
@@ -490,16 +505,16 @@ void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream
   if (a.head_dim <= 0 || a.head_dim % 8 != 0 || a.head_dim > kAttnMaxDim)
     throw std::invalid_argument("GPU attention: head_dim must be a multiple of 8, at most 512");
   if (a.rope_dim / 2 > kMaxRopeHalf) throw std::invalid_argument("GPU attention: rope_dim above 512");
-  const int limit = smem_optin_limit();
+  if (attn_dyn_limit[1] == 0) attention_prepare();  // outside a capture: engines prepare at construction
   const size_t keys = static_cast<size_t>(std::max(a.max_keys, 1));
   auto need = [&](int hb) { return keys * (sizeof(void*) + hb * sizeof(float)); };
   const cudaStream_t st = cs(s);
   // The head group size only changes how many heads share a block, never a head's arithmetic.
-  if (a.n_head >= 4 && need(4) <= static_cast<size_t>(limit))
+  if (a.n_head >= 4 && need(4) <= attn_dyn_limit[4])
     launch_attention<4>(a, L, n, need(4), st);
-  else if (a.n_head >= 2 && need(2) <= static_cast<size_t>(limit))
+  else if (a.n_head >= 2 && need(2) <= attn_dyn_limit[2])
     launch_attention<2>(a, L, n, need(2), st);
-  else if (need(1) <= static_cast<size_t>(limit))
+  else if (need(1) <= attn_dyn_limit[1])
     launch_attention<1>(a, L, n, need(1), st);
   else
     throw std::invalid_argument("GPU attention: " + std::to_string(a.max_keys) +

@@ -129,8 +129,8 @@ struct AttentionLaunch {
   int max_keys = 0;               // bound on any lane's key count this step (sizes shared memory)
 };
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s);
-// Once per process before attention_paged: lets its kernels use the device's opt-in shared memory
-// (a function attribute, set outside any graph capture).
+// Before attention_paged (engines call it at construction): lets its kernels use the device's
+// opt-in shared memory (a function attribute, to be set outside any graph capture).
 void attention_prepare();
 
 // The ring rows of this step's lanes (after attention): ring[slot][t % 128] = KV16[i], for the

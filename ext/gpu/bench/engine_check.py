@@ -178,7 +178,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true")
     args = ap.parse_args()
-    print(f"device: {_native.GpuEngine.__doc__.splitlines()[0]}; gpu_available={_native.gpu_available()}")
+    print(f"backend {_native.gpu_backend()}, device visible: {_native.gpu_available()}")
     return quick() if args.quick else full()
 
 
