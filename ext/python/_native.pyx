@@ -427,7 +427,8 @@ cdef list _f16_rows(vector[vector[uint16_t]]& rows, int64_t width):
     for l in range(rows.size()):
         a = np.array(<const uint16_t[:rows[l].size()]>rows[l].data(), dtype=np.uint16) if rows[l].size() else \
             np.zeros(0, np.uint16)
-        out.append(a.view(np.float16).astype(np.float32).reshape(-1, width))
+        # width 0 (index rows of a model with no CSA layer): reshape(-1, 0) cannot infer the row count
+        out.append(a.view(np.float16).astype(np.float32).reshape(-1 if width else 0, width))
     return out
 
 
