@@ -45,7 +45,10 @@ std::string device_name();
 // Y[c * ldy + r] = sum_k W[r][k] * X[c * ldx + k] for c < ncols (1..16), all rows of W. W.data is
 // a device pointer; X 16-byte aligned with ldx % 4 == 0; W.data 16-byte aligned for F32, F16,
 // BF16 and Q4_K. K = W.ne[0] must be a multiple of 8 (F32/F16/BF16), 32 (Q8_0, MXFP4) or 256 (Q4_K).
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream);
+// tall: a Q8_0/F16/BF16 matrix of at least 16384 rows runs with twice the rows per warp (the same
+// bits, a different speed; matvec.cuh).
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
+            bool tall = false);
 
 // Sort pairs by expert (stably) into parts of at most max_part (1..8) pairs, on the device.
 // pair_expert[n_pairs]: each pair's expert; out: sorted_pairs[n_pairs] (pair ids in part order),
@@ -86,7 +89,7 @@ void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* ou
 
 // --- testing: the same on host buffers (synchronous) ---------------------------------------
 namespace testing {
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy);
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall = false);
 // pair p: expert pair_expert[p], activation row x_row[p] of X (x_rows rows); Y[p] out.
 void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
                     const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy);
@@ -110,7 +113,7 @@ namespace testing {
 [[noreturn]] inline void no_backend() {
   throw std::runtime_error("this _native build has no GPU backend; rebuild with DS4_GPU=cuda or DS4_GPU=hip");
 }
-inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_t) { no_backend(); }
+inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_t, bool = false) { no_backend(); }
 inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, const int32_t*, const int32_t*, int, int,
                            float*, int64_t) {
   no_backend();

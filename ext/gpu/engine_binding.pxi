@@ -26,6 +26,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         void set_graphs(cbool on) except +
         cbool graphs()
         int graphs_captured()
+        void set_matvec_tall(cbool on) except +
+        cbool matvec_tall()
 
 cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_qat_rows "ds4::gpu::testing::qat_rows"(int kind, float* X, int n_rows, int n) except +
@@ -143,6 +145,15 @@ cdef class GpuEngine:
     @use_graphs.setter
     def use_graphs(self, on):
         self._get().set_graphs(bool(on))
+
+    @property
+    def use_tall_matvec(self):
+        """Whether q_b and the LM head take matvec's tall variant (same bits; DS4_GPU_MV_TALL=1 sets the default)."""
+        return bool(self._get().matvec_tall())
+
+    @use_tall_matvec.setter
+    def use_tall_matvec(self, on):
+        self._get().set_matvec_tall(bool(on))
 
     @property
     def graphs_captured(self):

@@ -212,7 +212,8 @@ struct GpuEngine::Impl {
   // function of the bucket (launch sizes use bounds from max_ctx, not this step's positions), and
   // positions, gather indices, write targets and block tables stay device inputs.
   bool graphs = false;
-  std::map<std::tuple<int, int, int>, cudaGraphExec_t> graph_cache;
+  bool tall = false;  // matvec's tall variant for q_b and the LM head
+  std::map<std::tuple<int, int, int, bool>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -243,7 +244,7 @@ struct GpuEngine::Impl {
   void reset(int slot);
   void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
-    matvec(W, X, ncols, ldx, Y, ldy, stream);
+    matvec(W, X, ncols, ldx, Y, ldy, stream, tall);
   }
   void hc_pre_site(const HcWeights& w);
   void attention_layer(int l);
@@ -262,6 +263,8 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   max_blocks = (opts.max_ctx + kPageTokens - 1) / kPageTokens;
   const char* env = std::getenv("DS4_GPU_GRAPHS");
   graphs = env != nullptr && std::string(env) == "1";
+  const char* env_tall = std::getenv("DS4_GPU_MV_TALL");
+  tall = env_tall != nullptr && std::string(env_tall) == "1";
   attention_prepare();
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
 
@@ -760,7 +763,7 @@ void GpuEngine::Impl::launch_step() {
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
-  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()));
+  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -822,6 +825,8 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
 void GpuEngine::set_graphs(bool on) { impl_->graphs = on; }
 bool GpuEngine::graphs() const { return impl_->graphs; }
 int GpuEngine::graphs_captured() const { return impl_->graphs_captured; }
+void GpuEngine::set_matvec_tall(bool on) { impl_->tall = on; }
+bool GpuEngine::matvec_tall() const { return impl_->tall; }
 
 // Zero the slot's rings, set its compressor states to (0, -inf) and its block table to -1 (the
 // CPU's PagedState::reset_slot); pages are left as they are, as there.

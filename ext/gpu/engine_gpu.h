@@ -65,6 +65,10 @@ class GpuEngine {
   void set_graphs(bool on);
   bool graphs() const;
   int graphs_captured() const;  // graphs built so far (new buckets)
+  // Tall matrices (q_b, the LM head) through matvec's tall variant: the same bits, a different
+  // speed. Default: the environment variable DS4_GPU_MV_TALL=1 turns it on.
+  void set_matvec_tall(bool on);
+  bool matvec_tall() const;
 
  private:
   struct Impl;
@@ -94,6 +98,8 @@ class GpuEngine {
   void set_graphs(bool) { throw std::runtime_error("no GPU backend"); }
   bool graphs() const { return false; }
   int graphs_captured() const { return 0; }
+  void set_matvec_tall(bool) { throw std::runtime_error("no GPU backend"); }
+  bool matvec_tall() const { return false; }
 };
 
 #endif

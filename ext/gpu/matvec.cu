@@ -53,19 +53,25 @@ void check_activations(const float* X, int64_t ldx, const char* who) {
     throw std::invalid_argument(std::string(who) + ": activations must be 16-byte aligned with ldx a multiple of 4");
 }
 
+// Types the tall variant is built for: the tall dense matrices of DS4 GGUFs (q_b, the LM head)
+// are Q8_0, or F16/BF16 in unquantized files. The others never take it (instantiating it for
+// them would only add compile time).
+template <int T>
+constexpr bool kTallType = T == kQ8_0 || T == kF16 || T == kBF16;
+
 template <int T, int NC>
 void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
-                     cudaStream_t s) {
+                     bool tall, cudaStream_t s) {
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
-#if DS4_MV_TALL
-  if (rows >= kTallRows) {
-    const int64_t br = 2 * matvec_block_rows(NC, ks);
-    matvec_dense_kernel<T, NC, true><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
-        W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
-    return;
+  if constexpr (kTallType<T>) {
+    if (tall && rows >= kTallRows) {
+      const int64_t br = 2 * matvec_block_rows(NC, ks);
+      matvec_dense_kernel<T, NC, true><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
+          W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
+      return;
+    }
   }
-#endif
   const int64_t br = matvec_block_rows(NC, ks);
   matvec_dense_kernel<T, NC, false><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
       W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
@@ -73,24 +79,24 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
 
 template <int T>
 void launch_dense(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
-                  cudaStream_t s) {
+                  bool tall, cudaStream_t s) {
   switch (nc) {
-    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, s); break;
-    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, s); break;
-    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, s); break;
-    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, s); break;
-    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, s); break;
-    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, s); break;
-    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, s); break;
-    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, s); break;
-    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, s); break;
-    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, s); break;
-    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, s); break;
-    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, s); break;
-    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, s); break;
-    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, s); break;
-    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, s); break;
-    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, s); break;
+    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, tall, s); break;
     default: throw std::invalid_argument("GPU matvec: a chunk has 1..16 columns");
   }
 }
@@ -153,7 +159,8 @@ __global__ void build_parts_kernel(const int32_t* __restrict__ pair_expert, int 
 
 }  // namespace
 
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream) {
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
+            bool tall) {
   if (ncols < 0) throw std::invalid_argument("GPU matvec: negative column count");
   const int64_t units = check_weights(W, "GPU matvec");
   check_activations(X, ldx, "GPU matvec");
@@ -165,12 +172,12 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
     const float* Xc = X + static_cast<int64_t>(c0) * ldx;
     float* Yc = Y + static_cast<int64_t>(c0) * ldy;
     switch (W.type) {
-      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
-      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
-      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
-      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
-      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
-      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, ldx, Yc, ldy, s); break;
+      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
       default: throw std::invalid_argument("GPU matvec: unsupported weight type");
     }
     DS4_GPU_CHECK_LAUNCH("matvec_dense_kernel");

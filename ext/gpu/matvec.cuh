@@ -47,14 +47,11 @@ constexpr int kMaxPartCols = 8;
 #define DS4_MV_R_WIDE 2
 #endif
 __host__ __device__ constexpr int rows_per_warp(int nc) { return nc <= 4 ? DS4_MV_R_NARROW : DS4_MV_R_WIDE; }
-// With DS4_MV_TALL=1, tall matrices (at least kTallRows rows: q_b, the LM head) carry twice as many
-// rows per warp: twice the weight rows share each activation load, and there are still row blocks
-// enough to fill the GPU (the r84 harness variant measured Q8_0 [4096 -> 32768] at 8 columns
-// 574 -> 350 us and the LM head at 1 column 256 -> 214 us; ext/gpu/README.md). R never changes a
-// result. Off by default until a device run has checked it (README, "Left").
-#ifndef DS4_MV_TALL
-#define DS4_MV_TALL 0
-#endif
+// The tall variant (matvec's `tall` argument): matrices of at least kTallRows rows (q_b, the LM
+// head) carry twice as many rows per warp, so twice the weight rows share each activation load,
+// and there are still row blocks enough to fill the GPU (the r84 harness variant measured Q8_0
+// [4096 -> 32768] at 8 columns 574 -> 350 us and the LM head at 1 column 256 -> 214 us;
+// ext/gpu/README.md). R never changes a result.
 constexpr int64_t kTallRows = 16384;
 
 // --- units: what one lane loads and decodes at a time ----------------------------------------

@@ -88,7 +88,7 @@ void sync() { DS4_GPU_CHECK(cudaDeviceSynchronize()); }
 
 }  // namespace
 
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall) {
   if (ncols <= 0) return;
   Buffer w(W.data, static_cast<size_t>(W.nbytes()));
   int64_t ld = 0;
@@ -98,7 +98,7 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
   Buffer y(static_cast<size_t>(ncols) * rows * sizeof(float));
   TensorView dv = W;
   dv.data = w.as<uint8_t>();
-  ds4::gpu::matvec(dv, x.as<float>(), ncols, ld, y.as<float>(), rows, nullptr);
+  ds4::gpu::matvec(dv, x.as<float>(), ncols, ld, y.as<float>(), rows, nullptr, tall);
   std::vector<float> out(static_cast<size_t>(ncols) * rows);
   sync();
   y.download(out.data());

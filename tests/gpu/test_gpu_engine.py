@@ -18,7 +18,7 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). On t
 - batch invariance without tolerance: a sequence's logits bit-identical alone, beside 1-5 others,
   with its prompt packed 1, 4 or 16 rows a step, in any slot and on any pages, and in a reused slot;
 - width exactness: every packing width 1..16 gives the same bits; CUDA graph replay gives the
-  bits of launching each kernel;
+  bits of launching each kernel; so does matvec's tall variant (an LM head of 16448 rows);
 - the device memory plan equals what the engine allocates; bad plans are refused as on the CPU.
 """
 
@@ -52,6 +52,8 @@ VARIANTS = {
                                swiglu_clamp_shexp=(10.0,) * 2),
     "hca": dataclasses.replace(tiny(), n_layer=2, compress_ratios=(128, 128), swiglu_clamp_exp=(10.0,) * 2,
                                swiglu_clamp_shexp=(10.0,) * 2),
+    # An LM head of 16448 rows: tall enough for matvec's tall variant (16384 rows and up).
+    "tallvocab": dataclasses.replace(tiny(), n_vocab=16384 + 64),
 }
 
 _models: dict[tuple[str, int, bool], ModelFile] = {}
@@ -298,6 +300,24 @@ def test_graph_replay_gives_the_same_bits(invariance_case) -> None:
     got = run(eng, seqs)[0]
     assert np.array_equal(got, baseline)
     assert 2 <= eng.graphs_captured < 60
+
+
+def test_tall_matvec_gives_the_same_bits(model_dir: Path) -> None:
+    mf = model(model_dir, "tallvocab", seed=5)
+    target = prompt(mf, 51, 150)
+    seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 52, 90), slot=3, pages=[4, 5], rows=4, start=2)]
+    eng = gpu_engine(mf, max_rows=24)
+    eng.use_tall_matvec = False
+    want = run(eng, seqs)
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        eng.use_tall_matvec = True
+        assert eng.use_tall_matvec
+        eng.reset_slot(0)
+        eng.reset_slot(3)
+        got = run(eng, seqs)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
 
 
 # --- plan checks and memory -------------------------------------------------------------------

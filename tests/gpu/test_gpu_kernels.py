@@ -91,6 +91,23 @@ def test_matmul_columns_bit_identical_to_single_column(t: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 1, 30, 0], ids=["Q8_0", "F16", "BF16", "F32"])
+def test_tall_variant_gives_the_same_bits(t: int) -> None:
+    """matvec's tall variant (twice the rows per warp, from 16384 rows; Q8_0/F16/BF16 only, F32 falls
+    back) changes speed, never bits: every width, a partial last block, against the normal kernel."""
+    rng = np.random.default_rng()
+    ne0, ne1 = 256, 16384 + 40  # KS = 1 at this height; 40 rows into a last, partial block
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    for width in (1, 2, 4, 5, 8, 16):
+        want = T.gpu_matmul(t, raw, ne0, ne1, x[:width])
+        got = T.gpu_matmul(t, raw, ne0, ne1, x[:width], tall=True)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (NAMES[t], width)
+    cpu = T.matmul(t, raw, ne0, ne1, x[:4], 2)
+    assert (np.abs(got[:4].astype(np.float64) - cpu) <= 2e-3 * scale_of(t, raw, ne0, ne1, x[:4])).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("max_part", [1, 8])
 @pytest.mark.parametrize("t", [8, 12, 39], ids=["Q8_0", "Q4_K", "MXFP4"])
 def test_grouped_pairs_equal_single_columns(t: int, max_part: int) -> None:

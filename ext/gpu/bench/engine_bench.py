@@ -1,6 +1,6 @@
 """Decode and prefill throughput of the GPU engine on a DS4 GGUF, each decode figure against its roofline.
 
-    python3 ext/gpu/bench/engine_bench.py MODEL.gguf [--json OUT.json] [--ctx 600] [--steps 32]
+    python3 ext/gpu/bench/engine_bench.py MODEL.gguf [--json OUT.json] [--ctx 600] [--steps 24]
                                                      [--long-ctx 2100]
 
 Through Runner(backend="cuda"|"hip"), one engine step per runner.step call (host time, which
@@ -13,8 +13,11 @@ includes the plan upload, every kernel and the logits download). Method:
 - decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 8 the first C
   slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
   C / median step time;
-- prefill and decode each twice: kernels launched one by one, then CUDA graph replay (one graph
-  per shape bucket, captured during the warm-up);
+- prefill and decode in four modes: kernels launched one by one or CUDA graph replay (one graph
+  per shape bucket, captured during the warm-up), each with matvec's tall variant off and on (q_b
+  and the LM head); for each C the four modes run back to back, so their contexts differ little;
+- exactness on this model: from the same prompts (4 slots of 150 tokens, then 6 steps of fixed
+  tokens at C = 4) every mode's logits against eager launches with tall off, bit for bit;
 - then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
   indexer then scores 525 entries a lane and keeps 512);
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
@@ -154,11 +157,51 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
     return out
 
 
+MODES = [(False, False), (True, False), (False, True), (True, True)]  # (graphs, tall)
+
+
+def set_mode(runner: Runner, graphs: bool, tall: bool) -> None:
+    runner._impl.use_graphs = graphs
+    runner._impl.use_tall_matvec = tall
+
+
+def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
+    """Each mode's logits from the same prompts against eager launches with tall off, bit for bit."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
+    feed = rng.integers(0, mf.config.n_vocab, (6, 4))
+    results, base = [], None
+    for graphs, tall in MODES:
+        set_mode(runner, graphs, tall)
+        out = []
+        for s in range(4):
+            runner.reset_slot(s)
+            out.append(prefill(runner, s, prompts[s], 32))
+        for k in range(6):
+            lanes = [(s, int(feed[k, s]), 150 + k, True) for s in range(4)]
+            out.append(runner.step(StepPlan.build(lanes, {s: table(s) for s in range(4)}, BLOCKS)))
+        got = np.concatenate(out)
+        if base is None:
+            base = got
+        row = {"graphs": graphs, "tall": tall, "bit_identical": bool(np.array_equal(got.view(np.uint32),
+                                                                                     base.view(np.uint32))),
+               "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
+        results.append(row)
+        print(f"exactness graphs={graphs} tall={tall}: bit-identical {row['bit_identical']}, "
+              f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
+    set_mode(runner, False, False)
+    for s in range(4):
+        runner.reset_slot(s)
+    return results
+
+
 def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, steps: int,
            copy_bw: float | None) -> list[dict]:
-    """Greedy decode of the first C slots for each C: step times, tok/s and the roofline fraction."""
+    """Greedy decode of the first C slots for each C, in each mode back to back: step times, tok/s
+    and the roofline fraction."""
     rows = []
-    for c in concurrencies:
+    for c, (graphs, tall) in ((c, m) for c in concurrencies for m in MODES):
+        set_mode(runner, graphs, tall)
         times = []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
@@ -172,15 +215,16 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
                 nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
-        row = {"concurrency": c, "step_ms_median": step * 1e3, "step_ms_min": min(times) * 1e3,
-               "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
+        row = {"concurrency": c, "graphs": graphs, "tall": tall, "step_ms_median": step * 1e3,
+               "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
             row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
         rows.append(row)
-        print(f"decode C={c}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
+        print(f"decode C={c} graphs={int(graphs)} tall={int(tall)}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
+    set_mode(runner, False, False)
     return rows
 
 
@@ -189,7 +233,7 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--json")
     ap.add_argument("--ctx", type=int, default=600)
-    ap.add_argument("--steps", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
     args = ap.parse_args()
     result: dict = {"model": args.model}
@@ -208,9 +252,16 @@ def main() -> int:
     print(f"{runner!r}: loaded in {result['load_s']:.1f} s", flush=True)
     rng = np.random.default_rng(0)
 
+    def save() -> None:  # after each part, so a call cut short still returns what it measured
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2))
+
+    result["exactness"] = exactness(runner, mf)
+    save()
+
     result["prefill"] = []
-    for graphs in (False, True):
-        runner._impl.use_graphs = graphs
+    for graphs, tall in MODES:
+        set_mode(runner, graphs, tall)
         for rows in (16, 64):
             runner.reset_slot(SLOTS - 1)
             prompt = rng.integers(0, mf.config.n_vocab, 2048)
@@ -219,48 +270,37 @@ def main() -> int:
             t0 = time.perf_counter()
             prefill(runner, SLOTS - 1, prompt, rows)
             dt = time.perf_counter() - t0
-            result["prefill"].append({"graphs": graphs, "rows_per_step": rows, "tokens": len(prompt), "seconds": dt,
-                                      "tok_s": len(prompt) / dt})
-            print(f"prefill {rows} rows/step{' (graphs)' if graphs else ''}: {len(prompt) / dt:.0f} tok/s", flush=True)
+            result["prefill"].append({"graphs": graphs, "tall": tall, "rows_per_step": rows, "tokens": len(prompt),
+                                      "seconds": dt, "tok_s": len(prompt) / dt})
+            print(f"prefill {rows} rows/step graphs={int(graphs)} tall={int(tall)}: {len(prompt) / dt:.0f} tok/s",
+                  flush=True)
     runner.reset_slot(SLOTS - 1)
-    runner._impl.use_graphs = False
+    set_mode(runner, False, False)
+    save()
 
     nxt, pos = {}, {}
     for s in range(SLOTS):
         logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
         nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
     copy_bw = result["bandwidth"].get("copy_GBps")
-    result["decode"] = []
-    for graphs in (False, True):
-        runner._impl.use_graphs = graphs
-        print(f"-- decode, {'graph replay' if graphs else 'eager launches'}", flush=True)
-        result["decode"] += [dict(r, graphs=graphs) for r in decode(runner, mf, nxt, pos, (1, 2, 4, 8), args.steps,
-                                                                    copy_bw)]
-    runner._impl.use_graphs = False
+    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 8), args.steps, copy_bw)
+    save()
     if args.long_ctx:
         for s in range(SLOTS):
             runner.reset_slot(s)
             logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.long_ctx), 64)
             nxt[s], pos[s] = int(np.argmax(logits[-1])), args.long_ctx
-        result["decode_long"] = []
-        for graphs in (False, True):
-            runner._impl.use_graphs = graphs
-            print(f"-- decode at {args.long_ctx}, {'graph replay' if graphs else 'eager launches'}", flush=True)
-            result["decode_long"] += [dict(r, graphs=graphs) for r in decode(runner, mf, nxt, pos, (1, 8), args.steps,
-                                                                             copy_bw)]
-        runner._impl.use_graphs = False
+        print(f"-- decode at {args.long_ctx}", flush=True)
+        result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw)
     result["graphs_captured"] = runner._impl.graphs_captured
-
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    save()
     try:
         result["profile"] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(".profile.txt") if args.json
                                    else None)
     except Exception as e:  # the profile is a diagnostic; the figures above stand without it
         result["profile"] = {"error": f"{type(e).__name__}: {e}"}
         print("profile:", result["profile"])
-    if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=2))
+    save()
     return 0
 
 

@@ -8,7 +8,8 @@
                                                       layer the largest difference of each part of
                                                       the slot state after the free run
     python3 ext/gpu/bench/engine_check.py --quick    one short mixed run (two slots, packed and
-                                                      decode lanes, every layer kind): for
+                                                      decode lanes, every layer kind), eager then
+                                                      graphs + tall matvec, bit for bit: for
                                                       compute-sanitizer
 
 Prints one line per finding; exit status 1 when any logits error exceeds 2e-3.
@@ -151,27 +152,41 @@ def full() -> int:
 
 
 def quick() -> int:
-    """A short QAT run through every kernel, for compute-sanitizer: exit 1 only on non-finite logits
-    (QAT free runs part legitimately after a rounding flip, so the error is printed, not judged)."""
+    """A short QAT run through every kernel, for compute-sanitizer: eager launches, then again with
+    CUDA graph replay and matvec's tall variant (the LM head has 16448 rows here). Exit 1 on
+    non-finite logits or when the second pass differs from the first in any bit (QAT free runs part
+    from the CPU legitimately after a rounding flip, so that error is printed, not judged)."""
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "tiny-q.gguf"
-        synthesize(tiny(), path, seed=2, qat_numerics=True)
+        synthesize(dataclasses.replace(tiny(), n_vocab=16384 + 64), path, seed=2, qat_numerics=True)
         mf = ModelFile.open(path)
         cpu, gpu = engines(mf, slots=2, rows=24)
         rng = np.random.default_rng(0)
         a, b = rng.integers(0, mf.config.n_vocab, 150), rng.integers(0, mf.config.n_vocab, 60)
+        passes = []
         worst, finite = 0.0, True
-        pa = pb = 0
-        while pa < len(a) or pb < len(b):
-            lanes = [(0, int(a[k]), k, True) for k in range(pa, min(len(a), pa + 16))]
-            lanes += [(1, int(b[k]), k, True) for k in range(pb, min(len(b), pb + 4))]
-            plan = StepPlan.build(lanes, {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}, BLOCKS)
-            got = gpu.step(plan)
-            finite = finite and bool(np.isfinite(got).all())
-            worst = max(worst, float(rel(got, cpu.step(plan)).max()))
-            pa, pb = min(len(a), pa + 16), min(len(b), pb + 4)
-        print(f"quick: max rel err {worst:.2e} over {len(a)} + {len(b)} tokens (QAT on), finite {finite}")
-        return 0 if finite else 1
+        for graphs_and_tall in (False, True):
+            gpu.use_graphs = graphs_and_tall
+            gpu.use_tall_matvec = graphs_and_tall
+            gpu.reset_slot(0)
+            gpu.reset_slot(1)
+            pa = pb = 0
+            out = []
+            while pa < len(a) or pb < len(b):
+                lanes = [(0, int(a[k]), k, True) for k in range(pa, min(len(a), pa + 16))]
+                lanes += [(1, int(b[k]), k, True) for k in range(pb, min(len(b), pb + 4))]
+                plan = StepPlan.build(lanes, {0: [0, 1, 2, 3], 1: [4, 5, 6, 7]}, BLOCKS)
+                got = gpu.step(plan)
+                out.append(got)
+                finite = finite and bool(np.isfinite(got).all())
+                if not graphs_and_tall:
+                    worst = max(worst, float(rel(got, cpu.step(plan)).max()))
+                pa, pb = min(len(a), pa + 16), min(len(b), pb + 4)
+            passes.append(np.concatenate(out))
+        same = bool(np.array_equal(passes[0].view(np.uint32), passes[1].view(np.uint32)))
+        print(f"quick: max rel err {worst:.2e} over {len(a)} + {len(b)} tokens (QAT on), finite {finite}; "
+              f"graphs + tall pass bit-identical to eager: {same} ({gpu.graphs_captured} graphs)")
+        return 0 if finite and same else 1
 
 
 def main() -> int:
