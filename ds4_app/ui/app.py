@@ -190,18 +190,24 @@ class DS4App(App[None]):
         if self._panel_choice is None:
             self.panel.display = self._panel_wanted(event.size.width)
 
+    # These messages keep coming (from the stats thread, from a reply that ends) while the app
+    # shuts down, after its widgets are gone: then they are dropped, not an exception at exit.
     def on_stats_updated(self, message: StatsUpdated) -> None:
-        if self.bridge.engine is not None:
+        if self.bridge.engine is not None and self._widgets_up():
             self.panel.show(message.snapshot, self.tabs.session_titles())
 
     def on_session_title_changed(self, message: SessionTitleChanged) -> None:
-        view = self.tabs.chat(message.session_id)
-        self.tabs.set_label(message.session_id, message.title, view.busy if view else False)
+        view = self.tabs.chat(message.session_id) if self._widgets_up() else None
+        if view is not None:
+            self.tabs.set_label(message.session_id, message.title, view.busy)
 
     def on_session_busy_changed(self, message: SessionBusyChanged) -> None:
-        view = self.tabs.chat(message.session_id)
+        view = self.tabs.chat(message.session_id) if self._widgets_up() else None
         if view is not None:
             self.tabs.set_label(message.session_id, view.session.title, message.busy)
+
+    def _widgets_up(self) -> bool:
+        return bool(self.query(SessionTabs)) and bool(self.query(EnginePanel))
 
     @on(TabbedContent.TabActivated)
     def _show_chat(self, event: TabbedContent.TabActivated) -> None:

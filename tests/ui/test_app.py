@@ -12,6 +12,7 @@ from ds4_app.engine.api import QueueFull
 from ds4_app.ui.app import DS4App
 from ds4_app.ui.export import to_json, to_markdown
 from ds4_app.ui.locations import config_path, exports_dir, store_path
+from ds4_app.ui.messages import SessionBusyChanged, SessionTitleChanged, StatsUpdated
 from ds4_app.ui.screens.input_dialog import InputDialog
 from ds4_app.ui.screens.settings import SettingsScreen
 from ds4_app.ui.store import Store
@@ -480,3 +481,17 @@ async def test_a_hidden_tab_draws_its_reply_when_shown(tmp_path: Path) -> None:
         await pilot.press("alt+1")
         await wait_until(pilot, lambda: drawn() == reply.content, what="the reply drawn")
         assert "done" in str(reply.query_one(".note").render())
+
+
+async def test_messages_after_the_widgets_are_gone_are_dropped(tmp_path: Path, engine: FakeEngine) -> None:
+    # At exit the stats thread and ending replies still post to the App after its widgets went;
+    # handling them used to raise NoMatches (seen as a traceback at the end of a test run).
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        await app.query_one("#main").remove()
+        app.post_message(StatsUpdated(engine.stats()))
+        app.post_message(SessionBusyChanged(view.session.id, False))
+        app.post_message(SessionTitleChanged(view.session.id, "gone"))
+        await pilot.pause()
+        assert app._exception is None
