@@ -33,6 +33,7 @@ class RateChart(Horizontal):
     def __init__(self, label: str, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._label = label
+        self._value = "–"
 
     def compose(self) -> ComposeResult:
         yield Static(self._label, classes="label")
@@ -45,4 +46,8 @@ class RateChart(Horizontal):
         points = list(data)
         if list(spark.data or []) != points:
             spark.data = points
-        self.query_one(".value", Static).update(value)
+        if value != self._value:
+            # A fixed-size cell: a repaint, not a layout pass of the whole screen (Static.update's
+            # default), at every stats tick.
+            self._value = value
+            self.query_one(".value", Static).update(value, layout=False)

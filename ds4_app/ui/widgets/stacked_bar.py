@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from textual.content import Content
-from textual.reactive import reactive
 from textual.widget import Widget
 
 
@@ -52,12 +51,11 @@ class StackedBar(Widget):
     }
     """
 
-    caption: reactive[str] = reactive("", layout=True)
-
     def __init__(self, *, id: str | None = None) -> None:
         super().__init__(id=id)
         self._segments: tuple[Segment, ...] = ()
         self._total = 0
+        self.caption = ""
 
     def set(self, segments: list[Segment], total: int, caption: str) -> None:
         """Show ``segments`` out of ``total`` with ``caption`` (one or more lines) below; refreshes
@@ -65,9 +63,12 @@ class StackedBar(Widget):
         segs = tuple(segments)
         if segs == self._segments and total == self._total and caption == self.caption:
             return
+        # The caption changes at every stats tick (step count, pages): only a change in its
+        # number of lines needs a layout pass of the screen; otherwise repaint this bar.
+        resize = len(caption.splitlines()) != len(self.caption.splitlines())
         self._segments, self._total = segs, total
         self.caption = caption
-        self.refresh()
+        self.refresh(layout=resize)
 
     def get_content_height(self, container, viewport, width: int) -> int:  # noqa: ANN001 - Textual's signature
         return 1 + len(self.caption.splitlines())
