@@ -40,6 +40,11 @@ class PromptSubmitted(Message):
 
 
 @dataclass
+class EarlierRequested(Message):
+    """The user asked a chat to draw earlier messages (clicked the line at its top)."""
+
+
+@dataclass
 class SessionTitleChanged(Message):
     """A session got a new title (renamed, or named after its first message)."""
 

@@ -16,7 +16,9 @@ from ds4_app.ui.messages import SessionBusyChanged, SessionTitleChanged, StatsUp
 from ds4_app.ui.screens.input_dialog import InputDialog
 from ds4_app.ui.screens.settings import SettingsScreen
 from ds4_app.ui.store import Store
+from ds4_app.ui.session_settings import SessionSettings
 from ds4_app.ui.widgets.chat_message import ChatMessage
+from ds4_app.ui.widgets.earlier_line import EarlierLine
 from ds4_app.ui.widgets.lanes_table import LanesTable
 from ds4_app.ui.widgets.session_tabs import pane_id
 
@@ -481,6 +483,55 @@ async def test_a_hidden_tab_draws_its_reply_when_shown(tmp_path: Path) -> None:
         await pilot.press("alt+1")
         await wait_until(pilot, lambda: drawn() == reply.content, what="the reply drawn")
         assert "done" in str(reply.query_one(".note").render())
+
+
+async def test_a_long_chat_draws_its_last_messages_and_earlier_ones_on_demand(tmp_path: Path) -> None:
+    store = Store(store_path(tmp_path))
+    session = store.create_session("long", SessionSettings())
+    for i in range(20):
+        store.add_message(session.id, "user", f"question {i}")
+        store.add_message(session.id, "assistant", f"answer {i} " + "word " * 200, "", {"finish_reason": "stop"})
+    store.close()
+    app = make_app(tmp_path)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        assert len(view.history) == 40
+        drawn = lambda: [m.content for m in view.query(ChatMessage)]  # noqa: E731
+        first_window = view.drawn_from
+        assert 0 < first_window < 38 and drawn() == [m.content for m in view.history[first_window:]]
+        earlier = view.query_one(EarlierLine)
+        assert earlier.display and f"{first_window} earlier messages" in str(earlier.render())
+        view.show_earlier()
+        await wait_until(pilot, lambda: view.drawn_from < first_window, what="a batch drawn")
+        assert drawn() == [m.content for m in view.history[view.drawn_from:]]
+        # The batch went in above what was on screen, which stays where it was.
+        log = view.query_one("#log")
+        await pilot.pause()
+        assert log.scroll_y > 0
+        # Scrolling to the top draws the next batch, until everything is drawn.
+        for _ in range(10):
+            if view.drawn_from == 0:
+                break
+            before = view.drawn_from
+            log.scroll_home(animate=False)
+            await wait_until(pilot, lambda: view.drawn_from < before, what="a batch drawn by scrolling up")
+        assert view.drawn_from == 0 and not earlier.display
+        assert drawn() == [m.content for m in view.history]
+
+
+async def test_a_chat_growing_past_its_window_stops_drawing_the_oldest(tmp_path: Path, engine: FakeEngine) -> None:
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=SIZE) as pilot:
+        view = chat(app)
+        for i in range(6):
+            await send(pilot, f"message {i} " + "long " * 500)
+            await wait_until(pilot, lambda: len(view.history) == 2 * (i + 1) and not view.busy, what=f"reply {i}")
+        assert view.drawn_from > 0  # the oldest turns are no longer drawn...
+        assert len(view.query(ChatMessage)) == 12 - view.drawn_from
+        assert len(app.store.messages(view.session.id)) == 12  # ...but stored, and sent as context
+        await send(pilot, "and again")
+        await wait_until(pilot, lambda: len(engine.submitted) == 7, what="the next request")
+        assert len(engine.submitted[-1].messages) == 13
 
 
 async def test_messages_after_the_widgets_are_gone_are_dropped(tmp_path: Path, engine: FakeEngine) -> None:

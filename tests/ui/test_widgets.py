@@ -15,12 +15,39 @@ from ds4_app.engine.api import (Delta, EngineUnavailable, Event, Finished, Gener
 from ds4_app.engine.chat import Message
 from ds4_app.ui.bridge import EngineBridge
 from ds4_app.ui.formatting import finish_meta, finish_note, size
-from ds4_app.ui.messages import ReplyChunk
+from ds4_app.ui.messages import EarlierRequested, ReplyChunk
 from ds4_app.ui.widgets.chat_message import ChatMessage
+from ds4_app.ui.widgets.earlier_line import EarlierLine
 from ds4_app.ui.widgets.lanes_table import LanesTable
 from ds4_app.ui.widgets.stacked_bar import split_cells
 
 from .helpers import wait_until
+
+
+# ---------------------------------------------------------------- earlier line
+class EarlierHost(App[None]):
+    def __init__(self) -> None:
+        super().__init__()
+        self.requests = 0
+
+    def compose(self) -> ComposeResult:
+        yield EarlierLine(3)
+
+    def on_earlier_requested(self, message: EarlierRequested) -> None:
+        self.requests += 1
+
+
+async def test_earlier_line_asks_for_more_when_clicked() -> None:
+    app = EarlierHost()
+    async with app.run_test() as pilot:
+        line = app.query_one(EarlierLine)
+        assert line.display and "3 earlier messages" in str(line.render())
+        await pilot.click(EarlierLine)
+        await wait_until(pilot, lambda: app.requests == 1, what="the request")
+        line.show_count(1)
+        assert "1 earlier message:" in str(line.render())
+        line.show_count(0)
+        assert not line.display
 
 
 # ---------------------------------------------------------------- lanes table

@@ -120,12 +120,11 @@ class ChatMessage(Vertical):
         """End the stream: render the final text in full once, and show ``note`` under it. With
         ``shown`` False the final render waits for ``catch_up``."""
         self.streaming = False
-        self._content, self._reasoning = content, reasoning
-        await self.set_note(note)
+        self._content, self._reasoning, self._note = content, reasoning, note
         if shown:
             await self._redraw()
         else:
-            self._behind = True
+            self._behind = True  # the note too: mounting it would cost a layout pass now
 
     async def catch_up(self) -> None:
         """Draw the text that arrived while hidden (one full render); nothing if none did."""
@@ -145,6 +144,7 @@ class ChatMessage(Vertical):
             folded = self.query_one(Collapsible)
             folded.title = self._thinking_title()
             await self.query_one(".reasoning", Markdown).update(self._reasoning)
+        await self.set_note(self._note)
 
     async def set_note(self, note: str) -> None:
         """Set the small line under the message (how a reply ended)."""

@@ -5,6 +5,12 @@ messages, and App actions are scheduled with ``call_later``), so a reply chunk c
 handled halfway through a send or a regenerate. Turns are written to the store as they become
 final: the user's turn once the engine accepted the request, the reply when it finishes
 (also when it was cancelled or failed part-way; an empty reply is not kept).
+
+Only the last messages are drawn (about ``LOG_CHARS`` of text; older ones come back in batches
+when the user scrolls to the top or clicks the line there). Every layout pass of the screen walks
+every mounted widget, and a Markdown message is a widget per block: with 30 long turns drawn
+(~1,000 widgets) a pass took 70 ms or more, and one ran at every frame of a streaming reply and
+whenever another tab started or ended a reply.
 """
 
 from __future__ import annotations
@@ -22,14 +28,31 @@ from ds4_app.engine.chat import Message
 
 from ..bridge import EngineBridge
 from ..formatting import finish_meta, finish_note
-from ..messages import PromptSubmitted, ReplyChunk, SessionBusyChanged, SessionTitleChanged
+from ..messages import EarlierRequested, PromptSubmitted, ReplyChunk, SessionBusyChanged, SessionTitleChanged
 from ..session_settings import SessionSettings
 from ..store import MessageRecord, SessionRecord, Store
 from .chat_input import ChatInput
 from .chat_message import ChatMessage
+from .earlier_line import EarlierLine
 
 DEFAULT_TITLE = re.compile(r"Chat \d+")
 TITLE_CHARS = 32
+LOG_CHARS = 8_000  # text drawn in the log (about two screens), then earlier batches on demand
+LOG_MESSAGES = 30  # and at most this many messages (short ones are widgets too)
+
+
+def window_start(history: list[MessageRecord], end: int, *, chars: int = LOG_CHARS,
+                 max_messages: int = LOG_MESSAGES) -> int:
+    """Where to start drawing the messages before ``end``: the last ones whose text adds up to
+    at most ``chars`` and ``max_messages``, but always the last two (a turn and its reply)."""
+    start, total = end, 0
+    while start > 0:
+        size = len(history[start - 1].content) + len(history[start - 1].reasoning)
+        if end - start >= 2 and (total + size > chars or end - start >= max_messages):
+            break
+        total += size
+        start -= 1
+    return start
 
 
 @dataclass(slots=True, eq=False)
@@ -69,17 +92,22 @@ class ChatView(Vertical):
         self._store = store
         self._bridge = bridge
         self._reply: _Reply | None = None
+        self._drawn_from = window_start(self._history, len(self._history))  # first drawn message
+        self._drawing_earlier = False
 
     def compose(self) -> ComposeResult:
         with VerticalScroll(id="log"):
-            for m in self._history:
-                yield ChatMessage(m.role, m.content, m.reasoning, record_id=m.id, note=finish_note(m.meta))
+            yield EarlierLine(self._drawn_from)
+            for m in self._history[self._drawn_from:]:
+                yield _message_widget(m)
         yield Static(self._settings_line(), id="status", markup=False)
         yield ChatInput(id="input")
 
     def on_mount(self) -> None:
+        log = self.query_one("#log", VerticalScroll)
         # Stay at the bottom while replies stream in, until the user scrolls up.
-        self.query_one("#log", VerticalScroll).anchor()
+        log.anchor()
+        self.watch(log, "scroll_y", self._scrolled, init=False)
 
     # ------------------------------------------------------------------ queries
     @property
@@ -137,13 +165,24 @@ class ChatView(Vertical):
         """Use ``settings`` for the next replies and store them."""
         self._store.set_settings(self.session.id, settings)
         self.session = dataclasses.replace(self.session, settings=settings)
-        self.query_one("#status", Static).update(self._settings_line())
+        self.query_one("#status", Static).update(self._settings_line(), layout=False)
 
     def rename(self, title: str) -> None:
         """Give the session a new title (stored, and announced to the tab bar)."""
         self._store.rename_session(self.session.id, title)
         self.session = dataclasses.replace(self.session, title=title)
         self.post_message(SessionTitleChanged(self.session.id, title))
+
+    @property
+    def drawn_from(self) -> int:
+        """How many of the first stored messages are not drawn (the log shows the rest)."""
+        return self._drawn_from
+
+    def show_earlier(self) -> None:
+        """Draw another batch of earlier messages above the first one drawn (scheduled)."""
+        if self._drawn_from > 0 and not self._drawing_earlier:
+            self._drawing_earlier = True
+            self.call_later(self._show_earlier)
 
     def catch_up(self) -> None:
         """Draw what arrived while the tab was hidden (scheduled on this view, after the chunks
@@ -163,6 +202,47 @@ class ChatView(Vertical):
         self._bridge.cancel(reply.request_id)
         self._reply = None
         self._keep_reply(reply, Finished("cancelled", Usage(0, 0)))
+
+    # ------------------------------------------------------------------ the drawn window
+    def on_earlier_requested(self, message: EarlierRequested) -> None:
+        message.stop()
+        self.show_earlier()
+
+    def _scrolled(self, scroll_y: float) -> None:
+        if scroll_y <= 0 and self.query_one("#log", VerticalScroll).max_scroll_y > 0:
+            self.show_earlier()
+
+    async def _show_earlier(self) -> None:
+        try:
+            end = self._drawn_from
+            start = window_start(self._history, end)
+            log = self.query_one("#log", VerticalScroll)
+            first = next(iter(log.query(ChatMessage)), None)
+            batch = [_message_widget(m) for m in self._history[start:end]]
+            if first is not None:
+                await log.mount_all(batch, before=first)
+            else:
+                await log.mount_all(batch)
+            self._drawn_from = start
+            self.query_one(EarlierLine).show_count(start)
+            if first is not None:
+                # Keep what the user was reading in place: the batch went in above it.
+                self.call_after_refresh(log.scroll_to_widget, first, top=True, animate=False)
+        finally:
+            self._drawing_earlier = False
+
+    async def _trim(self) -> None:
+        """Stop drawing the oldest messages once the drawn text is twice the window, while the
+        user follows the end of the chat (never under someone reading back)."""
+        log = self.query_one("#log", VerticalScroll)
+        drawn = sum(len(m.content) + len(m.reasoning) for m in self._history[self._drawn_from:])
+        if drawn <= 2 * LOG_CHARS or log.scroll_y < log.max_scroll_y - 1 or self._drawing_earlier:
+            return
+        start = window_start(self._history, len(self._history))
+        gone = {m.id for m in self._history[self._drawn_from:start]}
+        await log.remove_children([w for w in log.query(ChatMessage) if w.record_id in gone])
+        self._drawn_from = start
+        self.query_one(EarlierLine).show_count(start)
 
     # ------------------------------------------------------------------ sending
     async def on_prompt_submitted(self, message: PromptSubmitted) -> None:
@@ -198,7 +278,8 @@ class ChatView(Vertical):
         self._reply = _Reply(request_id, widget)
         await log.mount(widget)
         log.scroll_end(animate=False)
-        self.query_one("#status", Static).update("streaming…  (Esc cancels)")
+        # The status line is one line whatever it says: a repaint, not a layout pass.
+        self.query_one("#status", Static).update("streaming…  (Esc cancels)", layout=False)
         self.post_message(SessionBusyChanged(self.session.id, True))
         return True
 
@@ -250,8 +331,10 @@ class ChatView(Vertical):
         if finished.finish_reason == "error":
             self.notify(finished.error or "the engine failed this reply", title="Reply failed",
                         severity="error", timeout=8, markup=False)
-        self.query_one("#status", Static).update(self._settings_line())
+        self.query_one("#status", Static).update(self._settings_line(), layout=False)
         self.post_message(SessionBusyChanged(self.session.id, False))
+        if self.shown:
+            await self._trim()
 
     def _keep_reply(self, reply: _Reply, finished: Finished) -> bool:
         """Store a finished (or cut-short) reply; False when it said nothing at all."""
@@ -265,6 +348,11 @@ class ChatView(Vertical):
 
     def _settings_line(self) -> str:
         return self.session.settings.summary()
+
+
+def _message_widget(m: MessageRecord) -> ChatMessage:
+    """The widget of a stored message."""
+    return ChatMessage(m.role, m.content, m.reasoning, record_id=m.id, note=finish_note(m.meta))
 
 
 def _title_from(text: str) -> str:
