@@ -139,7 +139,7 @@ cdef class GpuEngine:
 
     @property
     def use_graphs(self):
-        """Whether steps replay a CUDA graph per shape bucket (DS4_GPU_GRAPHS=1 sets the default)."""
+        """Whether steps replay a CUDA graph per shape bucket (default: max_ctx <= 4096; DS4_GPU_GRAPHS=1/0)."""
         return bool(self._get().graphs())
 
     @use_graphs.setter
@@ -148,7 +148,7 @@ cdef class GpuEngine:
 
     @property
     def use_tall_matvec(self):
-        """Whether q_b and the LM head take matvec's tall variant (same bits; DS4_GPU_MV_TALL=1 sets the default)."""
+        """Whether q_b and the LM head take matvec's tall variant (same bits; default on, DS4_GPU_MV_TALL=0 off)."""
         return bool(self._get().matvec_tall())
 
     @use_tall_matvec.setter

@@ -88,6 +88,7 @@ class PinnedMemory {
 };
 
 constexpr uint64_t kScratchAlign = 256;
+constexpr int kGraphsDefaultMaxCtx = 4096;  // graph replay is on by default up to this max_ctx
 constexpr int kExpertPart = 8;  // pairs per part of the grouped expert products (matvec.cuh's kMaxPartCols)
 
 void check_config(const ModelConfig& c, const EngineOptions& o) {
@@ -261,10 +262,18 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   csa = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 4) > 0;
   hca = std::count(cfg.compress_ratios.begin(), cfg.compress_ratios.end(), 128) > 0;
   max_blocks = (opts.max_ctx + kPageTokens - 1) / kPageTokens;
-  const char* env = std::getenv("DS4_GPU_GRAPHS");
-  graphs = env != nullptr && std::string(env) == "1";
-  const char* env_tall = std::getenv("DS4_GPU_MV_TALL");
-  tall = env_tall != nullptr && std::string(env_tall) == "1";
+  // Defaults (ext/gpu/README.md, "Engine: what ran on the H200"): both passed the bit-for-bit
+  // checks on an H200 and were faster there. Graphs only up to the max_ctx measured (4096): a
+  // graph's launch sizes are bounds from max_ctx (the indexer grid grows as max_ctx / 256 blocks a
+  // lane on every CSA layer), which a far larger max_ctx would pay at every step.
+  // DS4_GPU_GRAPHS / DS4_GPU_MV_TALL = 1 or 0 override either.
+  auto env_flag = [](const char* name, bool dflt) {
+    const char* v = std::getenv(name);
+    if (v == nullptr || *v == '\0') return dflt;
+    return std::string(v) != "0";
+  };
+  graphs = env_flag("DS4_GPU_GRAPHS", opts.max_ctx <= kGraphsDefaultMaxCtx);
+  tall = env_flag("DS4_GPU_MV_TALL", true);
   attention_prepare();
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
 

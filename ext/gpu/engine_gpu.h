@@ -61,12 +61,13 @@ class GpuEngine {
   std::string device_name() const;
   // Replay one CUDA graph per shape bucket (lanes, slots in the step, logit lanes) instead of
   // launching each kernel: the same kernels with the same arguments, so the same bits. Default:
-  // the environment variable DS4_GPU_GRAPHS=1 turns it on.
+  // on when max_ctx <= 4096 (launch sizes in a graph are bounds from max_ctx); the environment
+  // variable DS4_GPU_GRAPHS=1 or 0 overrides it.
   void set_graphs(bool on);
   bool graphs() const;
   int graphs_captured() const;  // graphs built so far (new buckets)
   // Tall matrices (q_b, the LM head) through matvec's tall variant: the same bits, a different
-  // speed. Default: the environment variable DS4_GPU_MV_TALL=1 turns it on.
+  // speed. Default: on; the environment variable DS4_GPU_MV_TALL=0 turns it off.
   void set_matvec_tall(bool on);
   bool matvec_tall() const;
 

@@ -18,7 +18,8 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). On t
 - batch invariance without tolerance: a sequence's logits bit-identical alone, beside 1-5 others,
   with its prompt packed 1, 4 or 16 rows a step, in any slot and on any pages, and in a reused slot;
 - width exactness: every packing width 1..16 gives the same bits; CUDA graph replay gives the
-  bits of launching each kernel; so does matvec's tall variant (an LM head of 16448 rows);
+  bits of launching each kernel; so does matvec's tall variant (an LM head of 16448 rows); both
+  are on by default (graphs up to max_ctx 4096), the baseline of these tests is eager, tall off;
 - the device memory plan equals what the engine allocates; bad plans are refused as on the CPU.
 """
 
@@ -248,7 +249,10 @@ def test_greedy_tokens_equal_the_cpu_engine(model_dir: Path) -> None:
 def invariance_case(model_dir: Path):
     mf = model(model_dir, "tiny", seed=5)
     target = prompt(mf, 50, 200)
-    baseline = run(gpu_engine(mf), [Seq(target, slot=0, pages=[0, 1])])[0]
+    eager = gpu_engine(mf)  # the reference bits: every kernel launched one by one, no tall variant
+    eager.use_graphs = False
+    eager.use_tall_matvec = False
+    baseline = run(eager, [Seq(target, slot=0, pages=[0, 1])])[0]
     return mf, target, baseline
 
 
@@ -307,6 +311,7 @@ def test_tall_matvec_gives_the_same_bits(model_dir: Path) -> None:
     target = prompt(mf, 51, 150)
     seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 52, 90), slot=3, pages=[4, 5], rows=4, start=2)]
     eng = gpu_engine(mf, max_rows=24)
+    eng.use_graphs = False
     eng.use_tall_matvec = False
     want = run(eng, seqs)
     for graphs in (False, True):
@@ -318,6 +323,24 @@ def test_tall_matvec_gives_the_same_bits(model_dir: Path) -> None:
         got = run(eng, seqs)
         for g, w in zip(got, want):
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
+
+
+def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -> None:
+    mf = model(model_dir, "tiny", seed=5)
+    monkeypatch.delenv("DS4_GPU_GRAPHS", raising=False)
+    monkeypatch.delenv("DS4_GPU_MV_TALL", raising=False)
+    eng = gpu_engine(mf, max_slots=1)
+    assert eng.use_graphs and eng.use_tall_matvec  # checked bit for bit and faster on an H200
+    n_pages = plan_memory(mf.config, max_slots=1, max_ctx=8192).n_pages
+    big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
+    assert not big.use_graphs and big.use_tall_matvec  # graphs only up to the max_ctx measured
+    monkeypatch.setenv("DS4_GPU_GRAPHS", "0")
+    monkeypatch.setenv("DS4_GPU_MV_TALL", "0")
+    eng = gpu_engine(mf, max_slots=1)
+    assert not eng.use_graphs and not eng.use_tall_matvec
+    monkeypatch.setenv("DS4_GPU_GRAPHS", "1")
+    big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
+    assert big.use_graphs
 
 
 # --- plan checks and memory -------------------------------------------------------------------
