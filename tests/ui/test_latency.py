@@ -11,6 +11,14 @@ from the moment it was posted:
 - handled: the chat input's text shows the character (polled every millisecond);
 - painted: the first screen update composed after that (headless Textual composes frames but
   does not write them; the hook is on ``App._display``, which receives each composed update).
+
+Two scenarios: typing into one of the six streaming chats ("streaming"), and typing a new message
+into a seventh chat holding 30 long stored turns while the six stream ("long chat": every layout
+pass walks the widgets of the chat on screen).
+
+The tiny model's text is random and it hits EOS every few hundred tokens; such a reply is
+regenerated within 20 ms, so the hidden tabs also keep mounting and removing messages. That churn
+is harsher than real use, where replies run for many seconds.
 """
 
 from __future__ import annotations
@@ -20,12 +28,15 @@ import statistics
 import time
 from pathlib import Path
 
+import pytest
 from textual import events
 
 from ds4_app.engine.service import EngineService
 from ds4_app.ui.app import DS4App
+from ds4_app.ui.locations import store_path
 from ds4_app.ui.messages import PromptSubmitted
 from ds4_app.ui.session_settings import SessionSettings
+from ds4_app.ui.store import Store
 
 from .helpers import FIXED_TIME, chat, wait_until
 
@@ -47,17 +58,39 @@ def summary(name: str, seconds: list[float]) -> str:
             f"max {max(ms):.1f} ms · mean {statistics.fmean(ms):.1f} ms over {len(ms)} keys")
 
 
-async def test_keypress_to_render_latency_with_six_sessions_generating(tmp_path: Path,
-                                                                        tiny_model_path: str) -> None:
+LONG_TURNS = 30
+LONG_REPLY = ("Some **Markdown** with `code` and a list:\n\n- one\n- two\n\n" + "word " * 120
+              + "\n\n```python\nprint('hi')\n```\n") * 2
+
+
+def store_long_chat(data_dir: Path) -> None:
+    """A session of LONG_TURNS turns with ~1.6 kB Markdown replies, for the app to restore."""
+    store = Store(store_path(data_dir), clock=lambda: FIXED_TIME)
+    session = store.create_session("long chat", SessionSettings())
+    for i in range(LONG_TURNS):
+        store.add_message(session.id, "user", f"question {i}")
+        store.add_message(session.id, "assistant", LONG_REPLY, "", {"finish_reason": "stop"})
+    store.close()
+
+
+@pytest.mark.parametrize("scenario", ["streaming", "long chat"])
+async def test_keypress_to_render_latency_with_six_sessions_generating(tmp_path: Path, tiny_model_path: str,
+                                                                        scenario: str) -> None:
+    if scenario == "long chat":
+        store_long_chat(tmp_path)
     engine = EngineService.open(tiny_model_path, backend="cpu", max_slots=SESSIONS, max_ctx=4096)
     app = DS4App(engine, data_dir=tmp_path, clock=lambda: FIXED_TIME, show_panel=True)
     frames: list[float] = []
     try:
         async with app.run_test(size=(160, 45)) as pilot:
-            for _ in range(SESSIONS - 1):
+            # The app opens with one tab: a fresh chat, or the restored long one.
+            for _ in range(SESSIONS - 1 if scenario == "streaming" else SESSIONS):
                 await pilot.press("ctrl+n")
-            views = app.tabs.chats()
+            tabs = app.tabs.chats()
+            views, typed_into = (tabs, tabs[-1]) if scenario == "streaming" else (tabs[1:], tabs[0])
             assert len(views) == SESSIONS
+            assert scenario == "streaming" or len(typed_into.history) == 2 * LONG_TURNS
+            app.tabs.activate(typed_into.session.id)
             for n, view in enumerate(views):
                 view.apply_settings(SessionSettings(seed=n, max_tokens=2048))
 
@@ -84,8 +117,8 @@ async def test_keypress_to_render_latency_with_six_sessions_generating(tmp_path:
                 display(screen, renderable)
 
             app._display = record_frame  # type: ignore[method-assign]
-            box = chat(app).input
-            app.screen.set_focus(box)
+            box = typed_into.input
+            assert chat(app) is typed_into and app.focused is box
             await pilot.pause()
             handled: list[float] = []
             painted: list[float] = []
@@ -114,7 +147,7 @@ async def test_keypress_to_render_latency_with_six_sessions_generating(tmp_path:
             assert box.text == TEXT
     finally:
         engine.close()
-    print()
+    print(f"\n[{scenario}]")
     print(summary("key → input text", handled))
     print(summary("key → frame     ", painted))
     print(f"load: {SESSIONS} sessions; replies streaming at each key: min {min(busy_at_key)}, "
