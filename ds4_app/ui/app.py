@@ -92,6 +92,7 @@ class DS4App(App[None]):
         self.keymap, self._config_problems = load_keymap(config_path(self.data_dir))
         self.keymap.update(keymap or {})
         self._panel_choice = show_panel
+        self._tabs: SessionTabs | None = None  # found once: it stays for the app's life
 
     @property
     def engine(self) -> EngineClient | None:
@@ -171,7 +172,9 @@ class DS4App(App[None]):
     @property
     def tabs(self) -> SessionTabs:
         """The session tab bar."""
-        return self.query_one(SessionTabs)
+        if self._tabs is None:
+            self._tabs = self.query_one(SessionTabs)
+        return self._tabs
 
     @property
     def panel(self) -> EnginePanel:
@@ -207,7 +210,8 @@ class DS4App(App[None]):
             self.tabs.set_label(message.session_id, view.session.title, message.busy)
 
     def _widgets_up(self) -> bool:
-        return bool(self.query(SessionTabs)) and bool(self.query(EnginePanel))
+        # Not a query: that walks every widget of every chat, at each stats tick.
+        return self.tabs.is_attached
 
     @on(TabbedContent.TabActivated)
     def _show_chat(self, event: TabbedContent.TabActivated) -> None:

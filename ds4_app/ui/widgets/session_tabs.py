@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from textual.content import Content
-from textual.widgets import TabbedContent, TabPane
+from textual.widgets import ContentSwitcher, TabbedContent, TabPane
 
 from ..bridge import EngineBridge
 from ..store import MessageRecord, SessionRecord, Store
@@ -53,11 +53,15 @@ class SessionTabs(TabbedContent):
 
     def chats(self) -> list[ChatView]:
         """The chat views in tab order."""
-        return list(self.query(ChatView))
+        # Each pane holds its view as a direct child. A query would walk every widget of every
+        # chat (a Markdown block is a widget), at each stats tick and tab-label change: 5 ms a
+        # tick with one long chat open.
+        return [child for pane in self.get_child_by_type(ContentSwitcher).children
+                for child in pane.children if isinstance(child, ChatView)]
 
     def chat(self, session_id: str) -> ChatView | None:
         """A session's chat view, if it has a tab."""
-        for view in self.query(ChatView):
+        for view in self.chats():
             if view.session.id == session_id:
                 return view
         return None
@@ -65,7 +69,9 @@ class SessionTabs(TabbedContent):
     def current(self) -> ChatView | None:
         """The chat view of the active tab."""
         pane = self.active_pane
-        return pane.query_one(ChatView) if pane is not None else None
+        if pane is None:
+            return None
+        return next((child for child in pane.children if isinstance(child, ChatView)), None)
 
     def activate(self, session_id: str) -> None:
         """Show a session's tab and put the cursor in its input.
