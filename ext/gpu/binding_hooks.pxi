@@ -12,7 +12,7 @@ from libcpp cimport bool as cbool
 
 cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_matvec "ds4::gpu::testing::matvec"(const TensorView& W, const float* X, int ncols, int64_t ldx,
-                                                float* Y, int64_t ldy, cbool tall) except +
+                                                float* Y, int64_t ldy, cbool tall, int staged_min) except +
     void gpu_matvec_grouped "ds4::gpu::testing::matvec_grouped"(
         const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
         const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy) except +
@@ -49,8 +49,10 @@ cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int6
     return W
 
 
-def _t_gpu_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X, tall=False):
-    """_t_matmul on the GPU (ds4::gpu::testing::matvec); tall: the tall-matrix variant."""
+def _t_gpu_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X, tall=False, staged=None):
+    """_t_matmul on the GPU (ds4::gpu::testing::matvec); tall: the tall-matrix variant; staged: None
+    for matvec's default (the staged kernel from 2 columns), False never, True from 1 column (each
+    where the shape qualifies: >= 512 rows, not F32)."""
     keep = []
     cdef TensorView W = _weights_view(ggml_type, raw, ne0, ne1, 1, keep)
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -63,8 +65,9 @@ def _t_gpu_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X, tall=False):
     cdef const float[:, ::1] xv = x
     cdef float[:, ::1] yv = y
     cdef cbool t = bool(tall)
+    cdef int staged_min = 2 if staged is None else (1 if staged else 1 << 30)
     with nogil:
-        gpu_matvec(W, &xv[0, 0], ncols, ne0, &yv[0, 0], ne1, t)
+        gpu_matvec(W, &xv[0, 0], ncols, ne0, &yv[0, 0], ne1, t, staged_min)
     return y
 
 

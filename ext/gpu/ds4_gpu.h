@@ -28,6 +28,11 @@ namespace ds4::gpu {
 
 using Stream = void*;  // a cudaStream_t / hipStream_t; nullptr is the default stream
 
+// matvec's staged_min (below): the default, and the value that keeps every product on the direct
+// kernel.
+constexpr int kMatvecStagedMin = 2;
+constexpr int kMatvecStagedOff = 1 << 30;
+
 // One part of an expert-grouped product: sorted pairs [first, first + count) share `expert`.
 struct ExpertPart {
   int32_t expert, first, count;
@@ -47,8 +52,15 @@ std::string device_name();
 // BF16 and Q4_K. K = W.ne[0] must be a multiple of 8 (F32/F16/BF16), 32 (Q8_0, MXFP4) or 256 (Q4_K).
 // tall: a Q8_0/F16/BF16 matrix of at least 16384 rows runs with twice the rows per warp (the same
 // bits, a different speed; matvec.cuh).
+// staged_min: chunks of at least this many columns of a matrix of >= 512 rows (not F32) run on the
+// staged kernel (activations in shared memory, a persistent grid; matvec.cuh) where their columns
+// fit shared memory in at most 4 pieces; the same bits as the direct kernel, a different speed.
+// kMatvecStagedOff: never.
 void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
-            bool tall = false);
+            bool tall = false, int staged_min = kMatvecStagedMin);
+// Reads the device's limits for the staged kernel and raises its shared-memory attribute; matvec
+// calls it on first use, but a caller that captures graphs calls it before the first capture.
+void matvec_prepare();
 
 // Sort pairs by expert (stably) into parts of at most max_part (1..8) pairs, on the device.
 // pair_expert[n_pairs]: each pair's expert; out: sorted_pairs[n_pairs] (pair ids in part order),
@@ -89,7 +101,8 @@ void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* ou
 
 // --- testing: the same on host buffers (synchronous) ---------------------------------------
 namespace testing {
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall = false);
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall = false,
+            int staged_min = kMatvecStagedMin);
 // pair p: expert pair_expert[p], activation row x_row[p] of X (x_rows rows); Y[p] out.
 void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
                     const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy);
@@ -113,7 +126,10 @@ namespace testing {
 [[noreturn]] inline void no_backend() {
   throw std::runtime_error("this _native build has no GPU backend; rebuild with DS4_GPU=cuda or DS4_GPU=hip");
 }
-inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_t, bool = false) { no_backend(); }
+inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_t, bool = false,
+                   int = kMatvecStagedMin) {
+  no_backend();
+}
 inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, const int32_t*, const int32_t*, int, int,
                            float*, int64_t) {
   no_backend();

@@ -28,6 +28,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         int graphs_captured()
         void set_matvec_tall(cbool on) except +
         cbool matvec_tall()
+        void set_matvec_staged(cbool on) except +
+        cbool matvec_staged()
 
 cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_qat_rows "ds4::gpu::testing::qat_rows"(int kind, float* X, int n_rows, int n) except +
@@ -154,6 +156,15 @@ cdef class GpuEngine:
     @use_tall_matvec.setter
     def use_tall_matvec(self, on):
         self._get().set_matvec_tall(bool(on))
+
+    @property
+    def use_staged_matvec(self):
+        """Whether products of 2+ columns take matvec's staged kernel (same bits; default on, DS4_GPU_MV_STAGED=0 off)."""
+        return bool(self._get().matvec_staged())
+
+    @use_staged_matvec.setter
+    def use_staged_matvec(self, on):
+        self._get().set_matvec_staged(bool(on))
 
     @property
     def graphs_captured(self):

@@ -65,11 +65,11 @@ class DeviceMemory {
   uint64_t bytes_ = 0;
 };
 
-// Pinned host memory (the per-step upload buffer).
+// Pinned host memory (the per-step upload buffer, the logits staging buffer).
 class PinnedMemory {
  public:
   PinnedMemory() = default;
-  explicit PinnedMemory(uint64_t bytes) {
+  explicit PinnedMemory(uint64_t bytes) : bytes_(bytes) {
     if (bytes > 0) DS4_GPU_CHECK(cudaMallocHost(&ptr_, bytes));
   }
   ~PinnedMemory() {
@@ -79,13 +79,22 @@ class PinnedMemory {
   PinnedMemory& operator=(const PinnedMemory&) = delete;
   PinnedMemory& operator=(PinnedMemory&& o) noexcept {
     std::swap(ptr_, o.ptr_);
+    std::swap(bytes_, o.bytes_);
     return *this;
   }
   int32_t* ints() const { return static_cast<int32_t*>(ptr_); }
+  uint8_t* bytes() const { return static_cast<uint8_t*>(ptr_); }
+  uint64_t size() const { return bytes_; }
 
  private:
   void* ptr_ = nullptr;
+  uint64_t bytes_ = 0;
 };
+
+// The logits leave the device through a pinned buffer in pieces of this size: piece i+1 is in
+// flight while the host copies piece i into the caller's array (a D2H copy into pageable memory
+// ran at 4.4 GB/s on the H200: 0.94 ms for 8 lanes of a 129280-token vocabulary).
+constexpr uint64_t kLogitsPiece = 1ull << 20;
 
 constexpr uint64_t kScratchAlign = 256;
 constexpr int kGraphsDefaultMaxCtx = 4096;  // graph replay is on by default up to this max_ctx
@@ -194,6 +203,8 @@ struct GpuEngine::Impl {
 
   DeviceMemory weights, rings, states, pages, inputs, arena;
   PinnedMemory pinned;
+  PinnedMemory logits_host;             // grows to the largest logits download seen
+  std::vector<cudaEvent_t> piece_done;  // one per kLogitsPiece of it
   std::vector<float> slot_reset;      // one slot's compressor state as reset_slot leaves it
   std::vector<int32_t> tables;        // host block tables [slot][max_blocks]
   std::vector<int32_t> page_owner;    // per page: its slot in the current step
@@ -213,8 +224,9 @@ struct GpuEngine::Impl {
   // function of the bucket (launch sizes use bounds from max_ctx, not this step's positions), and
   // positions, gather indices, write targets and block tables stay device inputs.
   bool graphs = false;
-  bool tall = false;  // matvec's tall variant for q_b and the LM head
-  std::map<std::tuple<int, int, int, bool>, cudaGraphExec_t> graph_cache;
+  bool tall = false;    // matvec's tall variant for q_b and the LM head
+  bool staged = false;  // matvec's staged kernel for products of 2 or more columns
+  std::map<std::tuple<int, int, int, bool, bool>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -245,8 +257,9 @@ struct GpuEngine::Impl {
   void reset(int slot);
   void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
-    matvec(W, X, ncols, ldx, Y, ldy, stream, tall);
+    matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
   }
+  void download_logits(float* out, uint64_t bytes);
   void hc_pre_site(const HcWeights& w);
   void attention_layer(int l);
   void ffn_layer(int l);
@@ -274,7 +287,9 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   };
   graphs = env_flag("DS4_GPU_GRAPHS", opts.max_ctx <= kGraphsDefaultMaxCtx);
   tall = env_flag("DS4_GPU_MV_TALL", true);
+  staged = env_flag("DS4_GPU_MV_STAGED", true);
   attention_prepare();
+  matvec_prepare();  // before any graph capture
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
@@ -335,6 +350,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
 
 GpuEngine::Impl::~Impl() {
   for (auto& g : graph_cache) (void)cudaGraphExecDestroy(g.second);
+  for (cudaEvent_t e : piece_done) (void)cudaEventDestroy(e);
   if (stream) (void)cudaStreamDestroy(stream);
 }
 
@@ -772,7 +788,7 @@ void GpuEngine::Impl::launch_step() {
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
-  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall);
+  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -826,9 +842,39 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
   } else {
     m.launch_step();
   }
-  const uint64_t out_bytes = 4ull * m.logit_lanes.size() * m.cfg.n_vocab;
-  if (out_bytes) DS4_GPU_CHECK(cudaMemcpyAsync(logits_out, m.logits, out_bytes, cudaMemcpyDeviceToHost, m.stream));
-  DS4_GPU_CHECK(cudaStreamSynchronize(m.stream));
+  m.download_logits(logits_out, 4ull * m.logit_lanes.size() * m.cfg.n_vocab);
+}
+
+// The step's logits into the caller's (pageable) array through the pinned buffer, piece by piece,
+// then the stream is idle.
+void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
+  if (bytes == 0) {
+    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+    return;
+  }
+  if (logits_host.size() < bytes) {
+    DS4_GPU_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be a copy's target
+    logits_host = PinnedMemory(bytes);
+  }
+  const uint64_t n_pieces = (bytes + kLogitsPiece - 1) / kLogitsPiece;
+  while (piece_done.size() < n_pieces) {
+    cudaEvent_t e = nullptr;
+    DS4_GPU_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    piece_done.push_back(e);
+  }
+  const uint8_t* src = reinterpret_cast<const uint8_t*>(logits);
+  for (uint64_t i = 0; i < n_pieces; ++i) {
+    const uint64_t off = i * kLogitsPiece, len = std::min(kLogitsPiece, bytes - off);
+    DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes() + off, src + off, len, cudaMemcpyDeviceToHost, stream));
+    DS4_GPU_CHECK(cudaEventRecord(piece_done[i], stream));
+  }
+  uint8_t* dst = reinterpret_cast<uint8_t*>(out);
+  for (uint64_t i = 0; i < n_pieces; ++i) {
+    const uint64_t off = i * kLogitsPiece, len = std::min(kLogitsPiece, bytes - off);
+    DS4_GPU_CHECK(cudaEventSynchronize(piece_done[i]));
+    std::memcpy(dst + off, logits_host.bytes() + off, len);
+  }
+  DS4_GPU_CHECK(cudaStreamSynchronize(stream));
 }
 
 void GpuEngine::set_graphs(bool on) { impl_->graphs = on; }
@@ -836,6 +882,8 @@ bool GpuEngine::graphs() const { return impl_->graphs; }
 int GpuEngine::graphs_captured() const { return impl_->graphs_captured; }
 void GpuEngine::set_matvec_tall(bool on) { impl_->tall = on; }
 bool GpuEngine::matvec_tall() const { return impl_->tall; }
+void GpuEngine::set_matvec_staged(bool on) { impl_->staged = on; }
+bool GpuEngine::matvec_staged() const { return impl_->staged; }
 
 // Zero the slot's rings, set its compressor states to (0, -inf) and its block table to -1 (the
 // CPU's PagedState::reset_slot); pages are left as they are, as there.

@@ -70,6 +70,10 @@ class GpuEngine {
   // speed. Default: on; the environment variable DS4_GPU_MV_TALL=0 turns it off.
   void set_matvec_tall(bool on);
   bool matvec_tall() const;
+  // Products of 2 or more columns through matvec's staged kernel (activations in shared memory):
+  // the same bits, a different speed. Default: on; DS4_GPU_MV_STAGED=0 turns it off.
+  void set_matvec_staged(bool on);
+  bool matvec_staged() const;
 
  private:
   struct Impl;
@@ -101,6 +105,8 @@ class GpuEngine {
   int graphs_captured() const { return 0; }
   void set_matvec_tall(bool) { throw std::runtime_error("no GPU backend"); }
   bool matvec_tall() const { return false; }
+  void set_matvec_staged(bool) { throw std::runtime_error("no GPU backend"); }
+  bool matvec_staged() const { return false; }
 };
 
 #endif

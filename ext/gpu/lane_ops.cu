@@ -2,10 +2,12 @@
 // same formulas (ext/engine/mhc.cpp, ops.cpp, moe.cpp) and a lane-local fixed order.
 //
 // replicate_streams  grid n, 256 threads; copies stream 0 to the others. Bytes: 4 (hc-1) d per lane.
-// hc_pre             grid n, 256 threads: rho over the hc*d state (double), thread 0 builds pre,
-//                    post and comb (Sinkhorn on a 4x4: negligible), then u = sum_j pre_j X[j].
-//                    Bytes: the state twice (8 hc d), u out (4 d).
-// hc_post            grid n, 256 threads over elements; comb and post in shared. Bytes: 8 hc d + 4 d.
+// hc_pre             grid n, 256 threads: rho over the hc*d state (double), warp 0 builds pre,
+//                    post and comb (Sinkhorn with one lane per matrix entry when hc*hc <= 32, else
+//                    one thread), then u = sum_j pre_j X[j]. Bytes: the state twice (8 hc d), u out
+//                    (4 d). (One thread walking the 4x4 in shared memory took ~45 of its 53 us.)
+// hc_post            grid (d/256, n), one element a thread; comb and post in shared. Bytes: 8 hc d +
+//                    4 d. (One block a lane left it latency-bound: 22 us a call.)
 // hc_head            grid n_out, like hc_pre without Sinkhorn.
 // q_heads            grid n * n_head, 256 threads: RMSNorm then RoPE on one head, in place.
 // kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
@@ -14,7 +16,8 @@
 // route              grid n, one warp: K passes of a strict arg-max over the experts (ties to
 //                    the lower id), weights in selection order. Bytes: 4 E per lane.
 // swiglu             grid-stride over rows x width. Bytes: 12 per element.
-// moe_combine        grid n over d: weighted expert sum in selection order, plus the shared expert.
+// moe_combine        grid (d/256, n), one element a thread: weighted expert sum in selection order,
+//                    plus the shared expert.
 #include <algorithm>
 #include <string>
 
@@ -69,6 +72,38 @@ __device__ void sinkhorn_dev(float* c, int n, int iters, float eps) {
   }
 }
 
+// sinkhorn_dev with one lane per entry of the n x n matrix (n * n <= 32; the whole warp calls it):
+// lane l holds v = c[l / n][l % n] (lanes past n * n mirror entry 0). Each row or column sum is
+// gathered by shuffles in the order the single thread adds (k = 0, 1, ...), and every lane then
+// applies the same operation to its entry, so each entry sees exactly the single-thread sequence
+// of roundings: the same bits, in 2 * iters short shuffle rounds instead of a serial walk.
+__device__ float sinkhorn_warp(float v, int n, int iters, float eps) {
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int l = lane < n * n ? lane : 0;
+  const int j = l / n, k = l % n;
+  float mx = ds4_shfl(v, j * n);
+  for (int t = 1; t < n; ++t) mx = fmaxf(mx, ds4_shfl(v, j * n + t));
+  v = expf(v - mx);
+  float sum = 0.0f;
+  for (int t = 0; t < n; ++t) sum += ds4_shfl(v, j * n + t);
+  v = v / sum + eps;
+  auto col_norm = [&]() {
+    float cs = 0.0f;
+    for (int t = 0; t < n; ++t) cs += ds4_shfl(v, t * n + k);
+    const float dd = cs + eps;
+    v /= dd;
+  };
+  col_norm();
+  for (int it = 1; it < iters; ++it) {
+    float rs = 0.0f;
+    for (int t = 0; t < n; ++t) rs += ds4_shfl(v, j * n + t);
+    const float dd = rs + eps;
+    v /= dd;
+    col_norm();
+  }
+  return v;
+}
+
 __global__ void __launch_bounds__(kRowThreads)
     hc_pre_kernel(const float* __restrict__ X, int hc, int64_t d, const float* __restrict__ mix, int64_t mix_ld,
                   const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps,
@@ -79,14 +114,23 @@ __global__ void __launch_bounds__(kRowThreads)
   const int i = static_cast<int>(blockIdx.x);
   const float* x = X + static_cast<int64_t>(i) * hc * d;
   const float rho = rms_factor(x, static_cast<int64_t>(hc) * d, norm_eps, red);
-  if (threadIdx.x == 0) {
+  if (threadIdx.x < DS4_WARP) {
+    const int lane = static_cast<int>(threadIdx.x);
     const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
-    for (int k = 0; k < hc; ++k) pre_s[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
-    for (int k = 0; k < hc; ++k)
+    for (int k = lane; k < hc; k += DS4_WARP) {
+      pre_s[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
       post[i * hc + k] = 2.0f * sigmoid_dev(scale[1] * (rho * raw[hc + k]) + base[hc + k]);
-    for (int k = 0; k < hc * hc; ++k) c_s[k] = scale[2] * (rho * raw[2 * hc + k]) + base[2 * hc + k];
-    sinkhorn_dev(c_s, hc, iters, hc_eps);
-    for (int k = 0; k < hc * hc; ++k) comb[i * hc * hc + k] = c_s[k];
+    }
+    if (hc * hc <= DS4_WARP) {
+      float v = 0.0f;
+      if (lane < hc * hc) v = scale[2] * (rho * raw[2 * hc + lane]) + base[2 * hc + lane];
+      v = sinkhorn_warp(v, hc, iters, hc_eps);
+      if (lane < hc * hc) comb[i * hc * hc + lane] = v;
+    } else if (lane == 0) {
+      for (int k = 0; k < hc * hc; ++k) c_s[k] = scale[2] * (rho * raw[2 * hc + k]) + base[2 * hc + k];
+      sinkhorn_dev(c_s, hc, iters, hc_eps);
+      for (int k = 0; k < hc * hc; ++k) comb[i * hc * hc + k] = c_s[k];
+    }
   }
   __syncthreads();
   float* u = U + static_cast<int64_t>(i) * d;
@@ -97,23 +141,33 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// HC > 0: hc_mult known at compile time (the streams stay in registers); 0: hc is a run-time value.
+template <int HC>
 __global__ void __launch_bounds__(kRowThreads)
-    hc_post_kernel(float* __restrict__ X, int hc, int64_t d, const float* __restrict__ Y,
+    hc_post_kernel(float* __restrict__ X, int hc_rt, int64_t d, const float* __restrict__ Y,
                    const float* __restrict__ post, const float* __restrict__ comb) {
+  const int hc = HC > 0 ? HC : hc_rt;
   __shared__ float post_s[kMaxHcDev];
   __shared__ float c_s[kMaxHcDev * kMaxHcDev];
-  const int i = static_cast<int>(blockIdx.x);
+  const int i = static_cast<int>(blockIdx.y);
   if (threadIdx.x < hc) post_s[threadIdx.x] = post[i * hc + threadIdx.x];
   for (int k = threadIdx.x; k < hc * hc; k += kRowThreads) c_s[k] = comb[i * hc * hc + k];
   __syncthreads();
+  const int64_t e = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
+  if (e >= d) return;
   float* x = X + static_cast<int64_t>(i) * hc * d;
-  const float* y = Y + static_cast<int64_t>(i) * d;
-  for (int64_t e = threadIdx.x; e < d; e += kRowThreads) {
-    float old[kMaxHcDev];
-    for (int j = 0; j < hc; ++j) old[j] = x[j * d + e];
-    for (int k = 0; k < hc; ++k) {
-      float acc = post_s[k] * y[e];
-      for (int j = 0; j < hc; ++j) acc += c_s[j * hc + k] * old[j];
+  const float ye = Y[static_cast<int64_t>(i) * d + e];
+  float old[HC > 0 ? HC : kMaxHcDev];
+#pragma unroll
+  for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
+    if (j < hc) old[j] = x[j * d + e];
+#pragma unroll
+  for (int k = 0; k < (HC > 0 ? HC : kMaxHcDev); ++k) {
+    if (k < hc) {
+      float acc = post_s[k] * ye;
+#pragma unroll
+      for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
+        if (j < hc) acc += c_s[j * hc + k] * old[j];
       x[k * d + e] = acc;
     }
   }
@@ -277,18 +331,18 @@ __global__ void swiglu_kernel(float* __restrict__ G, const float* __restrict__ U
 __global__ void __launch_bounds__(kRowThreads)
     moe_combine_kernel(const float* __restrict__ D, const float* __restrict__ w, const float* __restrict__ SH,
                        int k_used, int64_t d, float* __restrict__ Y) {
-  const int i = static_cast<int>(blockIdx.x);
+  const int i = static_cast<int>(blockIdx.y);
   const float* wi = w + static_cast<int64_t>(i) * k_used;
   const float* di = D + static_cast<int64_t>(i) * k_used * d;
   float* y = Y + static_cast<int64_t>(i) * d;
-  for (int64_t x = threadIdx.x; x < d; x += kRowThreads) {
-    float acc = wi[0] * di[x];
-    for (int k = 1; k < k_used; ++k) {
-      const float t = wi[k] * di[k * d + x];  // each weighted output rounded, as the CPU stores it
-      acc += t;
-    }
-    y[x] = SH ? acc + SH[static_cast<int64_t>(i) * d + x] : acc;
+  const int64_t x = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
+  if (x >= d) return;
+  float acc = wi[0] * di[x];
+  for (int k = 1; k < k_used; ++k) {
+    const float t = wi[k] * di[k * d + x];  // each weighted output rounded, as the CPU stores it
+    acc += t;
   }
+  y[x] = SH ? acc + SH[static_cast<int64_t>(i) * d + x] : acc;
 }
 
 __global__ void __launch_bounds__(kRowThreads) qat_rows_kernel(float* __restrict__ X, int n, int kind) {
@@ -351,7 +405,11 @@ void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t 
 
 void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s) {
   if (n <= 0) return;
-  hc_post_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
+  const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
+  if (hc == 4)
+    hc_post_kernel<4><<<grid, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
+  else
+    hc_post_kernel<0><<<grid, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
   DS4_GPU_CHECK_LAUNCH("hc_post_kernel");
 }
 
@@ -413,7 +471,8 @@ void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, 
 
 void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s) {
   if (n <= 0) return;
-  moe_combine_kernel<<<n, kRowThreads, 0, cs(s)>>>(D, w, SH, k, d, Y);
+  const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
+  moe_combine_kernel<<<grid, kRowThreads, 0, cs(s)>>>(D, w, SH, k, d, Y);
   DS4_GPU_CHECK_LAUNCH("moe_combine_kernel");
 }
 

@@ -9,7 +9,10 @@
 // Bytes: 4 * n_pairs in, 4 * n_pairs + 12 * parts out; O(n_pairs^2) compares, negligible below a
 // few thousand pairs.
 #include <algorithm>
+#include <map>
+#include <mutex>
 #include <string>
+#include <utility>
 
 #include "ds4_gpu.h"
 #include "matvec.cuh"
@@ -101,6 +104,151 @@ void launch_dense(const TensorView& W, int64_t units, const float* X, int nc, in
   }
 }
 
+// --- the staged kernel (matvec.cuh): launch limits, read once from the device ----------------
+//
+// matvec_prepare() raises every staged instantiation's dynamic shared memory limit to the device's
+// opt-in limit (less its static part; 48 KB less that where raising fails) and records its
+// registers, so a launch sizes its persistent grid (SMs x resident blocks) with no API call: the
+// engine prepares at construction, never inside a graph capture.
+struct StagedFn {
+  int regs = 0;
+  size_t stat = 0, dyn_max = 0;
+};
+struct StagedDevice {
+  int sms = 1, smem_per_sm = 0, regs_per_sm = 0, threads_per_sm = 0;
+  size_t dyn_limit = 0;  // the smallest dyn_max over the instantiations
+  std::map<const void*, StagedFn> fns;
+};
+StagedDevice g_staged;
+std::once_flag g_staged_once;
+
+template <int T, int NC>
+const void* staged_fn_ptr() {
+  return reinterpret_cast<const void*>(&matvec_staged_kernel<T, NC>);
+}
+
+template <int T, int NC>
+void prepare_staged_one(size_t optin) {
+  const void* fn = staged_fn_ptr<T, NC>();
+  cudaFuncAttributes attr;
+  DS4_GPU_CHECK(cudaFuncGetAttributes(&attr, fn));
+  StagedFn f;
+  f.regs = attr.numRegs;
+  f.stat = attr.sharedSizeBytes;
+  f.dyn_max = optin > f.stat ? optin - f.stat : 0;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(f.dyn_max)) !=
+      cudaSuccess) {
+    (void)cudaGetLastError();
+    f.dyn_max = 48 * 1024 > f.stat ? 48 * 1024 - f.stat : 0;
+  }
+  g_staged.fns[fn] = f;
+  g_staged.dyn_limit = std::min(g_staged.dyn_limit, f.dyn_max);
+}
+
+template <int T, int... I>
+void prepare_staged_type(size_t optin, std::integer_sequence<int, I...>) {
+  (prepare_staged_one<T, I + 1>(optin), ...);
+}
+
+// The staged kernel takes these types (F32 matrices in DS4 are the 24-row mHC projections).
+template <int T>
+constexpr bool kStagedType = T != kF32;
+
+void prepare_staged() {
+  int dev = 0, sms = 1, optin = 0, smem_sm = 0, regs_sm = 0, thr_sm = 0;
+  DS4_GPU_CHECK(cudaGetDevice(&dev));
+  DS4_GPU_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
+  if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0) {
+    (void)cudaGetLastError();
+    optin = 48 * 1024;
+  }
+  DS4_GPU_CHECK(cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev));
+  DS4_GPU_CHECK(cudaDeviceGetAttribute(&regs_sm, cudaDevAttrMaxRegistersPerMultiprocessor, dev));
+  DS4_GPU_CHECK(cudaDeviceGetAttribute(&thr_sm, cudaDevAttrMaxThreadsPerMultiProcessor, dev));
+  g_staged.sms = std::max(sms, 1);
+  g_staged.smem_per_sm = smem_sm;
+  g_staged.regs_per_sm = regs_sm;
+  g_staged.threads_per_sm = thr_sm;
+  g_staged.dyn_limit = static_cast<size_t>(optin);
+  const auto nc = std::make_integer_sequence<int, kMaxCols>{};
+  prepare_staged_type<kF16>(optin, nc);
+  prepare_staged_type<kBF16>(optin, nc);
+  prepare_staged_type<kQ8_0>(optin, nc);
+  prepare_staged_type<kQ4_K>(optin, nc);
+  prepare_staged_type<kMXFP4>(optin, nc);
+}
+
+// Resident blocks per SM for a staged instantiation with `dyn` bytes of dynamic shared memory:
+// the smallest of the thread, register and shared-memory limits (registers in 256-register
+// units per warp; 1 KB of shared memory reserved per block). An overestimate only queues blocks.
+int staged_blocks_per_sm(const StagedFn& f, size_t dyn) {
+  const int by_threads = std::max(1, g_staged.threads_per_sm / kStagedThreads);
+  int by_regs = by_threads;
+  if (f.regs > 0 && g_staged.regs_per_sm > 0) {
+    const int per_warp = ((f.regs * DS4_WARP + 255) / 256) * 256;
+    by_regs = (g_staged.regs_per_sm / per_warp) / kStagedWarps;
+  }
+  int by_smem = by_threads;
+  if (g_staged.smem_per_sm > 0) by_smem = static_cast<int>(g_staged.smem_per_sm / (dyn + f.stat + 1024));
+  return std::max(1, std::min({by_threads, by_regs, by_smem}));
+}
+
+template <int T, int NC>
+void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                      cudaStream_t s) {
+  const int64_t rows = W.ne[1], K = W.ne[0];
+  const int ks = matvec_kslices(rows, units);
+  const size_t dyn = static_cast<size_t>(NC) * static_cast<size_t>(staged_col4(K)) * 16;
+  const StagedFn& f = g_staged.fns.at(staged_fn_ptr<T, NC>());
+  const int64_t br = static_cast<int64_t>(kStagedRows) * (kStagedWarps / ks);
+  const int64_t n_blocks = (rows + br - 1) / br;
+  const int64_t grid = std::min<int64_t>(n_blocks, static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn));
+  matvec_staged_kernel<T, NC><<<static_cast<unsigned>(grid), kStagedThreads, dyn, s>>>(
+      W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy);
+}
+
+template <int T>
+void launch_staged(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
+                   cudaStream_t s) {
+  if constexpr (kStagedType<T>) {
+    switch (nc) {
+      case 1: launch_staged_nc<T, 1>(W, units, X, ldx, Y, ldy, s); break;
+      case 2: launch_staged_nc<T, 2>(W, units, X, ldx, Y, ldy, s); break;
+      case 3: launch_staged_nc<T, 3>(W, units, X, ldx, Y, ldy, s); break;
+      case 4: launch_staged_nc<T, 4>(W, units, X, ldx, Y, ldy, s); break;
+      case 5: launch_staged_nc<T, 5>(W, units, X, ldx, Y, ldy, s); break;
+      case 6: launch_staged_nc<T, 6>(W, units, X, ldx, Y, ldy, s); break;
+      case 7: launch_staged_nc<T, 7>(W, units, X, ldx, Y, ldy, s); break;
+      case 8: launch_staged_nc<T, 8>(W, units, X, ldx, Y, ldy, s); break;
+      case 9: launch_staged_nc<T, 9>(W, units, X, ldx, Y, ldy, s); break;
+      case 10: launch_staged_nc<T, 10>(W, units, X, ldx, Y, ldy, s); break;
+      case 11: launch_staged_nc<T, 11>(W, units, X, ldx, Y, ldy, s); break;
+      case 12: launch_staged_nc<T, 12>(W, units, X, ldx, Y, ldy, s); break;
+      case 13: launch_staged_nc<T, 13>(W, units, X, ldx, Y, ldy, s); break;
+      case 14: launch_staged_nc<T, 14>(W, units, X, ldx, Y, ldy, s); break;
+      case 15: launch_staged_nc<T, 15>(W, units, X, ldx, Y, ldy, s); break;
+      case 16: launch_staged_nc<T, 16>(W, units, X, ldx, Y, ldy, s); break;
+      default: throw std::invalid_argument("GPU matvec: a staged piece has 1..16 columns");
+    }
+  } else {
+    throw std::logic_error("GPU matvec: the staged kernel does not take this type");
+  }
+}
+
+// Into how many pieces the staged kernel cuts an nc-column chunk (each piece's columns must fit
+// shared memory; each piece reads the weights again, so more than kMaxStagedPieces is left to the
+// direct kernel); 0: this product stays on the direct kernel.
+constexpr int kMaxStagedPieces = 4;
+int staged_pieces(const TensorView& W, int nc, int staged_min) {
+  if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < kStagedMinRows) return 0;
+  matvec_prepare();
+  const size_t per_col = static_cast<size_t>(staged_col4(W.ne[0])) * 16;
+  const size_t fit = g_staged.dyn_limit / per_col;
+  if (fit == 0) return 0;
+  const int pieces = static_cast<int>((static_cast<size_t>(nc) + fit - 1) / fit);
+  return pieces <= kMaxStagedPieces ? pieces : 0;
+}
+
 template <int T>
 void launch_grouped(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
@@ -159,8 +307,12 @@ __global__ void build_parts_kernel(const int32_t* __restrict__ pair_expert, int 
 
 }  // namespace
 
+void matvec_prepare() {
+  std::call_once(g_staged_once, prepare_staged);
+}
+
 void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
-            bool tall) {
+            bool tall, int staged_min) {
   if (ncols < 0) throw std::invalid_argument("GPU matvec: negative column count");
   const int64_t units = check_weights(W, "GPU matvec");
   check_activations(X, ldx, "GPU matvec");
@@ -171,6 +323,26 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
     const int nc = std::min(kMaxCols, ncols - c0);
     const float* Xc = X + static_cast<int64_t>(c0) * ldx;
     float* Yc = Y + static_cast<int64_t>(c0) * ldy;
+    const int pieces = staged_pieces(W, nc, staged_min);
+    if (pieces > 0) {
+      // Near-equal pieces, each one staged launch.
+      for (int p = 0, p0 = 0; p < pieces; ++p) {
+        const int w = nc / pieces + (p < nc % pieces ? 1 : 0);
+        const float* Xp = Xc + static_cast<int64_t>(p0) * ldx;
+        float* Yp = Yc + static_cast<int64_t>(p0) * ldy;
+        switch (W.type) {
+          case DType::F16: launch_staged<kF16>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          default: throw std::invalid_argument("GPU matvec: unsupported weight type");
+        }
+        DS4_GPU_CHECK_LAUNCH("matvec_staged_kernel");
+        p0 += w;
+      }
+      continue;
+    }
     switch (W.type) {
       case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
       case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;

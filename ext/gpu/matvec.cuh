@@ -231,13 +231,13 @@ __host__ __device__ constexpr int64_t matvec_block_rows(int nc, int ks) {
   return static_cast<int64_t>(rows_per_warp(nc)) * (kMatvecWarps / ks);
 }
 
-// One block's share: rows [r0, r0 + R) of its row group, NC columns. xoff/yoff: the element
-// offsets of column c in X and Y. part: shared scratch of kMatvecWarps * R * NC floats.
-template <int T, int NC, int R, class XOff, class YOff>
+// One block's share: rows [r0, r0 + R) of its row group, NC columns. xload(c, k): the 4
+// activations X[c][k..k+3] (k a multiple of 4) from wherever they live (GlobalX, StagedX); yoff:
+// the element offset of column c in Y. part: shared scratch of (warps in the block) * R * NC floats.
+template <int T, int NC, int R, class XLoad, class YOff>
 __device__ __forceinline__ void matvec_block(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows,
-                                             int64_t units, int ks, int64_t block_first_row,
-                                             const float* __restrict__ X, XOff xoff, float* __restrict__ Y, YOff yoff,
-                                             float* part) {
+                                             int64_t units, int ks, int64_t block_first_row, XLoad xload,
+                                             float* __restrict__ Y, YOff yoff, float* part) {
   using U = Unit<T>;
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int group = warp / ks, slice = warp % ks;
@@ -266,7 +266,7 @@ __device__ __forceinline__ void matvec_block(const uint8_t* __restrict__ W, int6
       const int64_t k = U::k_of(u, g);
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        const float4 xv = ds4_ldg(reinterpret_cast<const float4*>(X + xoff(c) + k));
+        const float4 xv = xload(c, k);
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           acc[r][c] = fmaf(w[r][0], xv.x, acc[r][c]);
@@ -319,14 +319,102 @@ struct DenseOff {
   __device__ int64_t operator()(int c) const { return static_cast<int64_t>(c) * ld; }
 };
 
+// Activations read straight from global memory (through the read-only cache): column c at
+// X + off(c).
+template <class XOff>
+struct GlobalX {
+  const float* X;
+  XOff off;
+  __device__ float4 operator()(int c, int64_t k) const {
+    return ds4_ldg(reinterpret_cast<const float4*>(X + off(c) + k));
+  }
+};
+
 template <int T, int NC, bool TALL>
 __global__ void __launch_bounds__(kMatvecThreads)
     matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                         const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy) {
   constexpr int R = (TALL ? 2 : 1) * rows_per_warp(NC);
   __shared__ float part[kMatvecWarps * R * NC];
-  matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks), X,
-                         DenseOff{ldx}, Y, DenseOff{ldy}, part);
+  matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks),
+                         GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part);
+}
+
+// --- the staged kernel: activations in shared memory, a persistent grid ------------------------
+//
+// Why: in matvec_block lane l reads X[c][k..k+3] at k = 32u + 4g (u its unit), 128 bytes from its
+// neighbour's, so every warp-wide float4 read of X touches 32 cache lines, and each warp repeats
+// those reads for every R rows; at 8 columns that, not the weights, bounded the direct kernel
+// (0.24 TB/s of weights; ext/gpu/README.md). Here a block of kStagedThreads copies the NC columns
+// into shared memory once (coalesced), then walks row blocks b = blockIdx.x, + gridDim.x, ...
+// with the same matvec_block, reading X from shared memory. Same lane-to-unit map, same order,
+// same reductions: every column is bit-identical to the direct kernel's (and to one column
+// alone). Bytes: the weights once, NC*K*4 of activations per block (gridDim.x blocks: about one
+// or two per SM), the outputs once.
+//
+// Shared layout: column c holds ceil(K/32) rows of 32 floats (8 float4 chunks); logical chunk
+// (row, ch) is stored at chunk ch ^ f(row). A 16-byte shared read is served 8 lanes at a time,
+// and f makes those 8 lanes' chunks distinct (no bank conflict) for each type's k_of: Q8_0 and
+// MXFP4 (row = unit, chunk = g): f = row & 7; F32/F16/BF16 (8-element units: row = u/4, chunk
+// = 2(u%4) + g): f = row & 7; Q4_K (row = 8(u/8) + 2c + g/4, chunk = 4h + g%4): f = ((row & 7) >> 1)
+// | ((row & 1) << 2). The copy writes whole rows per 8 lanes, conflict-free too.
+constexpr int kStagedThreads = 256;
+constexpr int kStagedWarps = kStagedThreads / DS4_WARP;
+constexpr int kStagedRows = 4;  // rows a warp carries (R); R never changes a result
+constexpr int64_t kStagedMinRows = 512;  // shorter matrices keep the direct kernel (too few row blocks)
+
+template <int T>
+__device__ __forceinline__ int staged_chunk(int64_t k) {
+  const int j = static_cast<int>(k >> 2);
+  const int row = j >> 3, ch = j & 7;
+  const int f = T == kQ4_K ? (((row & 7) >> 1) | ((row & 1) << 2)) : (row & 7);
+  return (row << 3) | (ch ^ f);
+}
+
+template <int T>
+struct StagedX {
+  const float4* xs;  // shared: NC columns of col4 float4 each
+  int col4;
+  __device__ float4 operator()(int c, int64_t k) const { return xs[c * col4 + staged_chunk<T>(k)]; }
+};
+
+// Float4 chunks a column takes in shared memory (K rounded up to whole rows of 32 floats).
+__host__ __device__ constexpr int64_t staged_col4(int64_t K) { return (K + 31) / 32 * 8; }
+
+template <int T, int NC>
+__global__ void __launch_bounds__(kStagedThreads)
+    matvec_staged_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
+                         int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy) {
+  constexpr int R = kStagedRows;
+  extern __shared__ float4 xs[];
+  __shared__ float part[kStagedWarps * R * NC];
+  const int col4 = static_cast<int>(staged_col4(K));
+  const int k4 = static_cast<int>(K / 4);
+  // The copy: four independent 16-byte loads in flight per thread before their stores.
+  for (int c = 0; c < NC; ++c) {
+    const float4* src = reinterpret_cast<const float4*>(X + static_cast<int64_t>(c) * ldx);
+    float4* dst = xs + c * col4;
+    for (int j0 = static_cast<int>(threadIdx.x); j0 < k4; j0 += 4 * kStagedThreads) {
+      float4 v[4];
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int j = j0 + q * kStagedThreads;
+        if (j < k4) v[q] = ds4_ldg(src + j);
+      }
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const int j = j0 + q * kStagedThreads;
+        if (j < k4) dst[staged_chunk<T>(4 * static_cast<int64_t>(j))] = v[q];
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
+  const int64_t n_blocks = (rows + br - 1) / br;
+  for (int64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
+    matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, b * br, StagedX<T>{xs, col4}, Y, DenseOff{ldy}, part);
+    if (ks > 1) __syncthreads();  // part is read by the slice-0 warps before the next block writes it
+  }
 }
 
 // A part of the expert-grouped product: pairs [first, first + count) of the pair list all use
@@ -350,7 +438,7 @@ __device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_byte
                                              const int32_t* ids, int64_t ldy, float* part) {
   constexpr int R = rows_per_warp(NC);
   matvec_block<T, NC, R>(We, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks),
-                         X, GatherOff{lanes, ldx}, Y, GatherOff{ids, ldy}, part);
+                         GlobalX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part);
 }
 
 template <int T>

@@ -88,7 +88,8 @@ void sync() { DS4_GPU_CHECK(cudaDeviceSynchronize()); }
 
 }  // namespace
 
-void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall) {
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, bool tall,
+            int staged_min) {
   if (ncols <= 0) return;
   Buffer w(W.data, static_cast<size_t>(W.nbytes()));
   int64_t ld = 0;
@@ -98,7 +99,7 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
   Buffer y(static_cast<size_t>(ncols) * rows * sizeof(float));
   TensorView dv = W;
   dv.data = w.as<uint8_t>();
-  ds4::gpu::matvec(dv, x.as<float>(), ncols, ld, y.as<float>(), rows, nullptr, tall);
+  ds4::gpu::matvec(dv, x.as<float>(), ncols, ld, y.as<float>(), rows, nullptr, tall, staged_min);
   std::vector<float> out(static_cast<size_t>(ncols) * rows);
   sync();
   y.download(out.data());

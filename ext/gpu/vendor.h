@@ -36,6 +36,9 @@
 #define cudaDeviceGetAttribute hipDeviceGetAttribute
 #define cudaDevAttrMaxSharedMemoryPerBlockOptin hipDeviceAttributeSharedMemPerBlockOptin
 #define cudaDevAttrMultiProcessorCount hipDeviceAttributeMultiprocessorCount
+#define cudaDevAttrMaxSharedMemoryPerMultiprocessor hipDeviceAttributeMaxSharedMemoryPerMultiprocessor
+#define cudaDevAttrMaxRegistersPerMultiprocessor hipDeviceAttributeMaxRegistersPerMultiprocessor
+#define cudaDevAttrMaxThreadsPerMultiProcessor hipDeviceAttributeMaxThreadsPerMultiProcessor
 #define cudaFuncSetAttribute hipFuncSetAttribute
 #define cudaFuncGetAttributes hipFuncGetAttributes
 #define cudaFuncAttributes hipFuncAttributes
@@ -59,6 +62,8 @@
 #define cudaStreamSynchronize hipStreamSynchronize
 #define cudaEvent_t hipEvent_t
 #define cudaEventCreate hipEventCreate
+#define cudaEventCreateWithFlags hipEventCreateWithFlags
+#define cudaEventDisableTiming hipEventDisableTiming
 #define cudaEventDestroy hipEventDestroy
 #define cudaEventRecord hipEventRecord
 #define cudaEventSynchronize hipEventSynchronize
@@ -110,6 +115,16 @@ __device__ __forceinline__ T ds4_shfl_xor(T v, int mask) {
   return __shfl_xor(v, mask, DS4_WARP);
 #else
   return __shfl_xor_sync(0xffffffffu, v, mask, DS4_WARP);
+#endif
+}
+
+// Lane src's value inside a 32-lane group (full-warp participation required).
+template <class T>
+__device__ __forceinline__ T ds4_shfl(T v, int src) {
+#if defined(DS4_HIP)
+  return __shfl(v, src, DS4_WARP);
+#else
+  return __shfl_sync(0xffffffffu, v, src, DS4_WARP);
 #endif
 }
 

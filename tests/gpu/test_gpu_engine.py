@@ -18,8 +18,10 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). On t
 - batch invariance without tolerance: a sequence's logits bit-identical alone, beside 1-5 others,
   with its prompt packed 1, 4 or 16 rows a step, in any slot and on any pages, and in a reused slot;
 - width exactness: every packing width 1..16 gives the same bits; CUDA graph replay gives the
-  bits of launching each kernel; so does matvec's tall variant (an LM head of 16448 rows); both
-  are on by default (graphs up to max_ctx 4096), the baseline of these tests is eager, tall off;
+  bits of launching each kernel; so do matvec's tall variant and its staged kernel (an LM head of
+  16448 rows; the staged kernel also takes q_b and the tiny LM head from 2 rows a step); all three
+  are on by default (graphs up to max_ctx 4096), the baseline of these tests is eager, tall and
+  staged off;
 - the device memory plan equals what the engine allocates; bad plans are refused as on the CPU.
 """
 
@@ -249,9 +251,10 @@ def test_greedy_tokens_equal_the_cpu_engine(model_dir: Path) -> None:
 def invariance_case(model_dir: Path):
     mf = model(model_dir, "tiny", seed=5)
     target = prompt(mf, 50, 200)
-    eager = gpu_engine(mf)  # the reference bits: every kernel launched one by one, no tall variant
+    eager = gpu_engine(mf)  # the reference bits: every kernel launched one by one, the direct matvec
     eager.use_graphs = False
     eager.use_tall_matvec = False
+    eager.use_staged_matvec = False
     baseline = run(eager, [Seq(target, slot=0, pages=[0, 1])])[0]
     return mf, target, baseline
 
@@ -325,19 +328,44 @@ def test_tall_matvec_gives_the_same_bits(model_dir: Path) -> None:
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
 
 
+def test_staged_matvec_gives_the_same_bits(model_dir: Path) -> None:
+    """The staged kernel (products of 2+ columns: here q_b and the 16448-row LM head) against the
+    direct kernel, eager and under graphs, with rows of 1 and 4 and 7 lanes a step."""
+    mf = model(model_dir, "tallvocab", seed=5)
+    target = prompt(mf, 53, 120)
+    seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 54, 70), slot=2, pages=[4, 5], rows=4, start=2),
+            Seq(prompt(mf, 55, 40), slot=5, pages=[8], rows=2, start=1)]
+    eng = gpu_engine(mf, max_rows=24)
+    eng.use_graphs = False
+    eng.use_staged_matvec = False
+    want = run(eng, seqs)
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        eng.use_staged_matvec = True
+        assert eng.use_staged_matvec
+        for s in (0, 2, 5):
+            eng.reset_slot(s)
+        got = run(eng, seqs)
+        for g, w in zip(got, want):
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
+
+
 def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -> None:
     mf = model(model_dir, "tiny", seed=5)
     monkeypatch.delenv("DS4_GPU_GRAPHS", raising=False)
     monkeypatch.delenv("DS4_GPU_MV_TALL", raising=False)
+    monkeypatch.delenv("DS4_GPU_MV_STAGED", raising=False)
     eng = gpu_engine(mf, max_slots=1)
     assert eng.use_graphs and eng.use_tall_matvec  # checked bit for bit and faster on an H200
+    assert eng.use_staged_matvec
     n_pages = plan_memory(mf.config, max_slots=1, max_ctx=8192).n_pages
     big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
     assert not big.use_graphs and big.use_tall_matvec  # graphs only up to the max_ctx measured
     monkeypatch.setenv("DS4_GPU_GRAPHS", "0")
     monkeypatch.setenv("DS4_GPU_MV_TALL", "0")
+    monkeypatch.setenv("DS4_GPU_MV_STAGED", "0")
     eng = gpu_engine(mf, max_slots=1)
-    assert not eng.use_graphs and not eng.use_tall_matvec
+    assert not eng.use_graphs and not eng.use_tall_matvec and not eng.use_staged_matvec
     monkeypatch.setenv("DS4_GPU_GRAPHS", "1")
     big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
     assert big.use_graphs

@@ -108,6 +108,34 @@ def test_tall_variant_gives_the_same_bits(t: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 12, 39, 1, 30], ids=["Q8_0", "Q4_K", "MXFP4", "F16", "BF16"])
+@pytest.mark.parametrize("ne0, ne1", [(4096, 600), (2048, 2100), (512, 9001), (0, 520)],
+                         ids=["ks4", "ks2", "ks1-partial", "odd-k"])
+def test_staged_kernel_gives_the_same_bits(t: int, ne0: int, ne1: int) -> None:
+    """matvec's staged kernel (activations in shared memory, a persistent grid; from 512 rows)
+    changes speed, never bits: every width 1..16 (16 columns of K=4096 run as two pieces), each
+    k-slice count, a partial last row block, and an odd K (33 shared rows of 32 floats for Q8_0
+    and MXFP4; 31.25 for F16 and BF16), against the direct kernel."""
+    if ne0 == 0:
+        if t == 12:
+            pytest.skip("Q4_K rows are whole 256-element blocks")
+        ne0 = 1000 if t in (1, 30) else 1056
+    rng = np.random.default_rng()
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    for width in range(1, 17):
+        start = int(rng.integers(0, 17 - width))
+        xs = x[start : start + width]
+        want = T.gpu_matmul(t, raw, ne0, ne1, xs, staged=False)
+        got = T.gpu_matmul(t, raw, ne0, ne1, xs, staged=True)
+        assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), (NAMES[t], width, start)
+    default = T.gpu_matmul(t, raw, ne0, ne1, x)  # the default: staged from 2 columns
+    assert np.array_equal(default.view(np.uint32), T.gpu_matmul(t, raw, ne0, ne1, x, staged=False).view(np.uint32))
+    cpu = T.matmul(t, raw, ne0, ne1, x[:3], 2)
+    assert (np.abs(default[:3].astype(np.float64) - cpu) <= 2e-3 * scale_of(t, raw, ne0, ne1, x[:3])).all()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("max_part", [1, 8])
 @pytest.mark.parametrize("t", [8, 12, 39], ids=["Q8_0", "Q4_K", "MXFP4"])
 def test_grouped_pairs_equal_single_columns(t: int, max_part: int) -> None:

@@ -13,15 +13,19 @@ includes the plan upload, every kernel and the logits download). Method:
 - decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 8 the first C
   slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
   C / median step time;
-- prefill and decode in four modes: kernels launched one by one or CUDA graph replay (one graph
-  per shape bucket, captured during the warm-up), each with matvec's tall variant off and on (q_b
-  and the LM head); for each C the four modes run back to back, so their contexts differ little;
+- prefill and decode in four modes (graphs, tall, staged): eager launches with the direct matvec
+  (the reference), graphs + tall with the direct matvec (the default before the staged kernel),
+  eager + tall + staged, and graphs + tall + staged (the default); graphs: one CUDA graph per
+  shape bucket, captured during the warm-up; tall: matvec's tall variant for q_b and the LM head;
+  staged: matvec's staged kernel for products of 2+ columns; for each C the four modes run back
+  to back, so their contexts differ little;
 - exactness on this model: from the same prompts (4 slots of 150 tokens, then 6 steps of fixed
-  tokens at C = 4) every mode's logits against eager launches with tall off, bit for bit;
+  tokens at C = 4) every mode's logits against the reference mode, bit for bit;
 - then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
   indexer then scores 525 entries a lane and keeps 512);
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
-  (at the long context) and 2 prefill steps of 64 rows, into JSON.profile.txt;
+  (at the long context) and 2 prefill steps of 64 rows, eager + tall + staged, into
+  JSON.profile.txt;
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
   C embedding rows; per lane and layer its attention keys (window and compressed rows, f16) and, on
@@ -157,22 +161,24 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
     return out
 
 
-MODES = [(False, False), (True, False), (False, True), (True, True)]  # (graphs, tall)
+MODES = [(False, False, False), (True, True, False), (False, True, True), (True, True, True)]  # (graphs, tall, staged)
+REFERENCE = MODES[0]
 
 
-def set_mode(runner: Runner, graphs: bool, tall: bool) -> None:
+def set_mode(runner: Runner, graphs: bool, tall: bool, staged: bool) -> None:
     runner._impl.use_graphs = graphs
     runner._impl.use_tall_matvec = tall
+    runner._impl.use_staged_matvec = staged
 
 
 def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
-    """Each mode's logits from the same prompts against eager launches with tall off, bit for bit."""
+    """Each mode's logits from the same prompts against the reference mode, bit for bit."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
     feed = rng.integers(0, mf.config.n_vocab, (6, 4))
     results, base = [], None
-    for graphs, tall in MODES:
-        set_mode(runner, graphs, tall)
+    for graphs, tall, staged in MODES:
+        set_mode(runner, graphs, tall, staged)
         out = []
         for s in range(4):
             runner.reset_slot(s)
@@ -183,13 +189,13 @@ def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
         got = np.concatenate(out)
         if base is None:
             base = got
-        row = {"graphs": graphs, "tall": tall, "bit_identical": bool(np.array_equal(got.view(np.uint32),
+        row = {"graphs": graphs, "tall": tall, "staged": staged, "bit_identical": bool(np.array_equal(got.view(np.uint32),
                                                                                      base.view(np.uint32))),
                "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
         results.append(row)
-        print(f"exactness graphs={graphs} tall={tall}: bit-identical {row['bit_identical']}, "
+        print(f"exactness graphs={graphs} tall={tall} staged={staged}: bit-identical {row['bit_identical']}, "
               f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
-    set_mode(runner, False, False)
+    set_mode(runner, *REFERENCE)
     for s in range(4):
         runner.reset_slot(s)
     return results
@@ -200,8 +206,8 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
     """Greedy decode of the first C slots for each C, in each mode back to back: step times, tok/s
     and the roofline fraction."""
     rows = []
-    for c, (graphs, tall) in ((c, m) for c in concurrencies for m in MODES):
-        set_mode(runner, graphs, tall)
+    for c, (graphs, tall, staged) in ((c, m) for c in concurrencies for m in MODES):
+        set_mode(runner, graphs, tall, staged)
         times = []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
@@ -215,16 +221,16 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
                 nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
-        row = {"concurrency": c, "graphs": graphs, "tall": tall, "step_ms_median": step * 1e3,
+        row = {"concurrency": c, "graphs": graphs, "tall": tall, "staged": staged, "step_ms_median": step * 1e3,
                "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
             row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
         rows.append(row)
-        print(f"decode C={c} graphs={int(graphs)} tall={int(tall)}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
+        print(f"decode C={c} graphs={int(graphs)} tall={int(tall)} staged={int(staged)}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
-    set_mode(runner, False, False)
+    set_mode(runner, *REFERENCE)
     return rows
 
 
@@ -260,8 +266,8 @@ def main() -> int:
     save()
 
     result["prefill"] = []
-    for graphs, tall in MODES:
-        set_mode(runner, graphs, tall)
+    for graphs, tall, staged in MODES:
+        set_mode(runner, graphs, tall, staged)
         for rows in (16, 64):
             runner.reset_slot(SLOTS - 1)
             prompt = rng.integers(0, mf.config.n_vocab, 2048)
@@ -270,12 +276,14 @@ def main() -> int:
             t0 = time.perf_counter()
             prefill(runner, SLOTS - 1, prompt, rows)
             dt = time.perf_counter() - t0
-            result["prefill"].append({"graphs": graphs, "tall": tall, "rows_per_step": rows, "tokens": len(prompt),
+            result["prefill"].append({"graphs": graphs, "tall": tall, "staged": staged, "rows_per_step": rows,
+                                      "tokens": len(prompt),
                                       "seconds": dt, "tok_s": len(prompt) / dt})
-            print(f"prefill {rows} rows/step graphs={int(graphs)} tall={int(tall)}: {len(prompt) / dt:.0f} tok/s",
+            print(f"prefill {rows} rows/step graphs={int(graphs)} tall={int(tall)} staged={int(staged)}: "
+                  f"{len(prompt) / dt:.0f} tok/s",
                   flush=True)
     runner.reset_slot(SLOTS - 1)
-    set_mode(runner, False, False)
+    set_mode(runner, *REFERENCE)
     save()
 
     nxt, pos = {}, {}
@@ -294,6 +302,7 @@ def main() -> int:
         result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw)
     result["graphs_captured"] = runner._impl.graphs_captured
     save()
+    set_mode(runner, False, True, True)
     try:
         result["profile"] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(".profile.txt") if args.json
                                    else None)

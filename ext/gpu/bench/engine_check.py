@@ -8,8 +8,9 @@
                                                       layer the largest difference of each part of
                                                       the slot state after the free run
     python3 ext/gpu/bench/engine_check.py --quick    one short mixed run (two slots, packed and
-                                                      decode lanes, every layer kind), eager then
-                                                      graphs + tall matvec, bit for bit: for
+                                                      decode lanes, every layer kind), eager with
+                                                      the direct matvec, then graphs + tall +
+                                                      staged matvec, bit for bit: for
                                                       compute-sanitizer
 
 Prints one line per finding; exit status 1 when any logits error exceeds 2e-3.
@@ -152,8 +153,9 @@ def full() -> int:
 
 
 def quick() -> int:
-    """A short QAT run through every kernel, for compute-sanitizer: eager launches, then again with
-    CUDA graph replay and matvec's tall variant (the LM head has 16448 rows here). Exit 1 on
+    """A short QAT run through every kernel, for compute-sanitizer: eager launches with the direct
+    matvec, then again with CUDA graph replay, matvec's tall variant and its staged kernel (the LM
+    head has 16448 rows here; up to 20 lanes a step). Exit 1 on
     non-finite logits or when the second pass differs from the first in any bit (QAT free runs part
     from the CPU legitimately after a rounding flip, so that error is printed, not judged)."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -168,6 +170,7 @@ def quick() -> int:
         for graphs_and_tall in (False, True):
             gpu.use_graphs = graphs_and_tall
             gpu.use_tall_matvec = graphs_and_tall
+            gpu.use_staged_matvec = graphs_and_tall
             gpu.reset_slot(0)
             gpu.reset_slot(1)
             pa = pb = 0
@@ -185,7 +188,7 @@ def quick() -> int:
             passes.append(np.concatenate(out))
         same = bool(np.array_equal(passes[0].view(np.uint32), passes[1].view(np.uint32)))
         print(f"quick: max rel err {worst:.2e} over {len(a)} + {len(b)} tokens (QAT on), finite {finite}; "
-              f"graphs + tall pass bit-identical to eager: {same} ({gpu.graphs_captured} graphs)")
+              f"graphs + tall + staged pass bit-identical to eager: {same} ({gpu.graphs_captured} graphs)")
         return 0 if finite and same else 1
 
 

@@ -1,18 +1,21 @@
 #!/usr/bin/env bash
 # Everything one device call does for the GPU engine (ext/gpu/README.md, "Engine"):
-#   OUT=dir ext/gpu/bench/engine_run.sh [--no-bench] [--budget SECONDS]
+#   OUT=dir ext/gpu/bench/engine_run.sh [--no-bench] [--budget SECONDS] [--harness BINARY]
 # 1. Python packages the image lacks, from carried wheels (.whl/, when present);
 # 2. the module: the carried cp312 build (build/gpu312/...), else built here (DS4_GPU=cuda, in place);
 # 3. in the background, a flash-l4 model synthesized to /tmp/f.gguf (about 60 s, 16.7 GB);
 # 4. pytest tests/gpu (engine_check.py's per-variant diagnosis only when it fails);
+#    with --harness (a harness built by build.sh, carried): its --check, then --bench-staged
+#    (the direct and the staged matvec side by side) into harness.json;
 # 5. compute-sanitizer memcheck on engine_check.py --quick (eager, then graphs + tall matvec);
 # 6. engine_bench.py on flash-l4: exactness of graphs and tall matvec bit for bit, prefill and
 #    decode C = 1, 2, 4, 8 in each mode with rooflines, a kernel profile;
 # 7. compute-sanitizer racecheck on engine_check.py --quick, with whatever the budget leaves.
 # The budget (default 330 s) bounds the whole script: each part's timeout is the smaller of its
 # own and what is left, so the call returns its logs before the device tool's limit.
-# Writes to $OUT (7 files at most): run.log (everything), pytest.txt, check.txt (only on a
-# failure), memcheck.txt, racecheck.txt, bench.json, bench.profile.txt.
+# Writes to $OUT (8 files at most): run.log (everything, the harness check too), pytest.txt,
+# check.txt (only on a failure), memcheck.txt, racecheck.txt, bench.json, bench.profile.txt,
+# harness.json.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/ds4-gpu-out}
@@ -20,10 +23,12 @@ mkdir -p "$OUT"
 exec > >(tee -a "$OUT/run.log") 2>&1
 bench=1
 budget=330
+harness=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
     --budget) budget=$2; shift ;;
+    --harness) harness=$2; shift ;;
   esac
   shift
 done
@@ -69,6 +74,14 @@ if [ $rc != 0 ]; then
   timeout "$(left 60)" python3 ext/gpu/bench/engine_check.py > "$OUT/check.txt" 2>&1
   echo "engine_check exit $?"
   cat "$OUT/check.txt"
+fi
+if [ -n "$harness" ]; then
+  echo "== harness --check ($((SECONDS - start)) s)"
+  timeout "$(left 90)" "$harness" --check
+  echo "harness check exit $?"
+  echo "== harness --bench-staged ($((SECONDS - start)) s)"
+  timeout "$(left 90)" "$harness" --bench-staged --json "$OUT/harness.json"
+  echo "harness bench exit $?"
 fi
 echo "== compute-sanitizer memcheck (engine_check --quick) ($((SECONDS - start)) s)"
 timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 9 python3 ext/gpu/bench/engine_check.py --quick \

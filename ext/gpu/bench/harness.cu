@@ -6,6 +6,8 @@
 //   harness --check [--seed N]     every kernel on fresh random inputs; exit 1 on any failure
 //   harness --quick                a small check (for compute-sanitizer)
 //   harness --bench [--json F]     copy bandwidth, then matvec timings (1, 2, 4, 8, 16 columns)
+//   harness --bench-staged [--json F]  copy bandwidth, then the DS4-Flash dense shapes on the direct
+//                                  and the staged kernel side by side (1, 2, 4, 8, 16 columns)
 //   harness --decode               the device decoders run on the host vs the CPU (no GPU needed)
 //
 // References: weights are dequantized with ext/cpu/quant.cpp (ds4::dequantize_row) and dotted in
@@ -240,6 +242,34 @@ void check_matvec(DType t, int64_t K, int64_t rows, Rng& rng, ds4::ThreadPool& p
   std::snprintf(buf, sizeof(buf), "matvec %s widths %d..16 bit-identical to single columns (%d mismatching columns)",
                 ds4::dtype_name(t), widths_lo, bad);
   report(bad == 0, buf);
+}
+
+// The staged kernel against the direct one, bit for bit, at every width in `widths` (random
+// column offsets), on one shape; the default (staged from 2 columns) at 16 columns too.
+void check_staged(DType t, int64_t K, int64_t rows, const std::vector<int>& widths, Rng& rng) {
+  const std::vector<uint8_t> wbytes = random_weights(t, K, rows, rng);
+  const TensorView W = view(t, K, rows, wbytes.data());
+  const int NC = 16;
+  const std::vector<float> X = random_floats(static_cast<size_t>(NC) * K, rng);
+  int bad = 0, unwritten = 0;
+  for (int w : widths) {
+    const int start = static_cast<int>(rng.gen() % static_cast<uint64_t>(NC - w + 1));
+    std::vector<float> a(static_cast<size_t>(w) * rows, std::nanf("")), b(a.size(), std::nanf(""));
+    g::testing::matvec(W, &X[static_cast<size_t>(start) * K], w, K, a.data(), rows, false, g::kMatvecStagedOff);
+    g::testing::matvec(W, &X[static_cast<size_t>(start) * K], w, K, b.data(), rows, false, 1);
+    for (float v : b) unwritten += std::isnan(v) ? 1 : 0;
+    for (int c = 0; c < w; ++c)
+      if (!bits_equal(&a[c * rows], &b[c * rows], rows)) ++bad;
+  }
+  std::vector<float> a(static_cast<size_t>(NC) * rows, std::nanf("")), b(a.size(), std::nanf(""));
+  g::testing::matvec(W, X.data(), NC, K, a.data(), rows, false, g::kMatvecStagedOff);
+  g::testing::matvec(W, X.data(), NC, K, b.data(), rows);
+  for (int c = 0; c < NC; ++c)
+    if (!bits_equal(&a[c * rows], &b[c * rows], rows)) ++bad;
+  char buf[200];
+  std::snprintf(buf, sizeof(buf), "matvec %-5s K=%-5" PRId64 " rows=%-5" PRId64 " staged == direct at %zu widths + default (%d mismatching columns, %d unwritten)",
+                ds4::dtype_name(t), K, rows, widths.size(), bad, unwritten);
+  report(bad == 0 && unwritten == 0, buf);
 }
 
 // Expert-grouped product: each pair bit-identical to the single-column product of its expert.
@@ -585,19 +615,25 @@ struct WeightSet {
   }
 };
 
+// modes: the matvec staged_min values to time (each a row; the name gets " direct" or " staged"
+// when more than one is timed).
 void bench_dense(const char* name, DType t, int64_t K, int64_t rows, double copy_bw, Rng& rng,
-                 std::vector<BenchRow>& out) {
+                 std::vector<BenchRow>& out, const std::vector<int>& modes = {g::kMatvecStagedMin}) {
   WeightSet ws(t, K, rows, 1, rng);
   DeviceMem x(16 * K * sizeof(float)), y(16 * rows * sizeof(float));
   const std::vector<float> xh = random_floats(16 * K, rng);
   DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
   for (int nc : {1, 2, 4, 8, 16}) {
-    const int per_graph = static_cast<int>(std::max<size_t>(ws.copies.size(), 20));
-    const double s = time_launches([&](cudaStream_t st, int i) {
-      g::matvec(ws.at(i), x.as<float>(), nc, K, y.as<float>(), rows, st);
-    }, per_graph, 15);
-    const double bytes = static_cast<double>(ws.base.nbytes()) + 4.0 * nc * (K + rows);
-    out.push_back({name, nc, s * 1e6, bytes / s / 1e9, bytes / s / copy_bw});
+    for (int mode : modes) {
+      const int per_graph = static_cast<int>(std::max<size_t>(ws.copies.size(), 20));
+      const double s = time_launches([&](cudaStream_t st, int i) {
+        g::matvec(ws.at(i), x.as<float>(), nc, K, y.as<float>(), rows, st, false, mode);
+      }, per_graph, 15);
+      const double bytes = static_cast<double>(ws.base.nbytes()) + 4.0 * nc * (K + rows);
+      std::string label = name;
+      if (modes.size() > 1) label += mode == g::kMatvecStagedOff ? " direct" : " staged";
+      out.push_back({label, nc, s * 1e6, bytes / s / 1e9, bytes / s / copy_bw});
+    }
   }
 }
 
@@ -658,10 +694,26 @@ void bench_grouped(const char* name, DType t, int64_t K, int64_t rows, int exper
   }
 }
 
-int run_bench(const char* json_path, Rng& rng) {
+int run_bench(const char* json_path, Rng& rng, bool staged_only) {
+  g::matvec_prepare();  // outside the graph captures below
   const double bw = copy_bandwidth();
   std::printf("device-to-device copy: %.1f GB/s (read + write)\n", bw / 1e9);
   std::vector<BenchRow> rows;
+  if (staged_only) {
+    // The DS4-Flash dense shapes (q_a and one wo_a group, q_b, wo_b, the shared expert's gate and
+    // down, a compressor, the LM head), each on the direct and on the staged kernel (staged from
+    // one column here, to see where it pays).
+    const std::vector<int> both = {g::kMatvecStagedOff, 1};
+    bench_dense("Q8_0 [4096 -> 1024] q_a, wo_a group", DType::Q8_0, 4096, 1024, bw, rng, rows, both);
+    bench_dense("Q8_0 [1024 -> 32768] q_b", DType::Q8_0, 1024, 32768, bw, rng, rows, both);
+    bench_dense("Q8_0 [8192 -> 4096] wo_b", DType::Q8_0, 8192, 4096, bw, rng, rows, both);
+    bench_dense("Q8_0 [4096 -> 2048] shared gate/up", DType::Q8_0, 4096, 2048, bw, rng, rows, both);
+    bench_dense("Q8_0 [2048 -> 4096] shared down", DType::Q8_0, 2048, 4096, bw, rng, rows, both);
+    bench_dense("Q8_0 [4096 -> 32768]", DType::Q8_0, 4096, 32768, bw, rng, rows, both);
+    bench_dense("F16 [4096 -> 1024] compressor", DType::F16, 4096, 1024, bw, rng, rows, both);
+    bench_dense("Q4_K [4096 -> 2048] one expert", DType::Q4_K, 4096, 2048, bw, rng, rows, both);
+    bench_dense("Q8_0 [4096 -> 129280] lm head", DType::Q8_0, 4096, 129280, bw, rng, rows, both);
+  } else {
   bench_dense("Q8_0 [4096 -> 32768]", DType::Q8_0, 4096, 32768, bw, rng, rows);
   bench_dense("Q4_K [4096 -> 2048] one expert", DType::Q4_K, 4096, 2048, bw, rng, rows);
   bench_dense("MXFP4 [2048 -> 4096] one expert", DType::MXFP4, 2048, 4096, bw, rng, rows);
@@ -671,6 +723,7 @@ int run_bench(const char* json_path, Rng& rng) {
   bench_dense("Q8_0 [4096 -> 129280] lm head", DType::Q8_0, 4096, 129280, bw, rng, rows);
   bench_grouped("grouped Q4_K [4096 -> 2048] x256, 6 routes/lane", DType::Q4_K, 4096, 2048, 256, bw, rng, rows);
   bench_grouped("grouped MXFP4 [2048 -> 4096] x256, 6 routes/lane", DType::MXFP4, 2048, 4096, 256, bw, rng, rows);
+  }
   std::printf("\n%-52s %5s %10s %9s %8s\n", "matrix", "cols", "us/call", "GB/s", "of copy");
   for (const auto& r : rows)
     std::printf("%-52s %5d %10.2f %9.1f %7.1f%%\n", r.name.c_str(), r.ncols, r.us, r.gbs, 100.0 * r.frac);
@@ -703,6 +756,19 @@ int run_check(uint64_t seed, bool quick) {
     check_matvec(t, 4096, 2100, rng, pool, false);  // 2 k-slices
     check_matvec(t, 512, 9001, rng, pool, false);   // 1 k-slice, a partial last block
   }
+  // The staged kernel (matvec.cuh): 4, 2 and 1 k-slices, a partial last row block, an odd K.
+  const std::vector<int> all_w = {1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16}, some_w = {1, 2, 5, 8, 16};
+  for (DType t : kTypes) {
+    if (t == DType::F32) continue;
+    if (quick) {
+      check_staged(t, 512, 520, {1, 3, 16}, rng);
+      continue;
+    }
+    check_staged(t, 4096, 600, all_w, rng);
+    check_staged(t, 2048, 2100, some_w, rng);
+    check_staged(t, 512, 9001, all_w, rng);
+    if (t != DType::Q4_K) check_staged(t, (t == DType::F16 || t == DType::BF16) ? 1000 : 1056, 520, all_w, rng);
+  }
   for (DType t : kTypes) {
     check_grouped(t, 512, quick ? 40 : 300, 16, quick ? 3 : 9, 6, 8, rng);
     if (!quick) check_grouped(t, 512, 300, 16, 9, 6, 1, rng);
@@ -719,7 +785,7 @@ int run_check(uint64_t seed, bool quick) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = false, quick = false, bench = false, decode = false;
+  bool check = false, quick = false, bench = false, decode = false, staged_bench = false;
   const char* json = nullptr;
   uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   for (int i = 1; i < argc; ++i) {
@@ -727,11 +793,13 @@ int main(int argc, char** argv) {
     if (a == "--check") check = true;
     else if (a == "--quick") check = quick = true;
     else if (a == "--bench") bench = true;
+    else if (a == "--bench-staged") bench = staged_bench = true;
     else if (a == "--decode") decode = true;
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
-      std::fprintf(stderr, "usage: harness [--decode] [--check | --quick] [--bench [--json FILE]] [--seed N]\n");
+      std::fprintf(stderr,
+                   "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged [--json FILE]] [--seed N]\n");
       return 2;
     }
   }
@@ -749,7 +817,7 @@ int main(int argc, char** argv) {
     if (check) rc |= run_check(seed, quick);
     if (bench) {
       Rng rng(seed + 1);
-      rc |= run_bench(json, rng);
+      rc |= run_bench(json, rng, staged_bench);
     }
     return rc;
   } catch (const std::exception& e) {
