@@ -5,8 +5,9 @@
 // processes share. The rules:
 // - Chunk i of k is always [i*n/k, (i+1)*n/k) (which thread computes a row never changes its
 //   value: every kernel computes each row independently).
-// - Thread i (the caller is 0) first claims chunk i, so while all threads keep up, each one
-//   streams the same rows of every weight matrix step after step and keeps them in its own L2.
+// - Thread i (the caller is 0) first claims chunk i, so while all threads keep up, each one reads
+//   the same rows of every weight matrix step after step (its share can stay in its own cache;
+//   not measured apart from the rest).
 // - Then it claims any chunk still unclaimed. Nobody waits for a thread that has not started: a
 //   worker that wakes late, or that the OS descheduled, finds its chunk done by the others and
 //   costs nothing; the caller waits only for chunks being computed. (A pool with a fixed chunk
@@ -14,7 +15,7 @@
 // - A worker that finished a job spins for the next one for kSpinTime, long enough to span the
 //   serial stretches inside a step and the host's work between steps, then sleeps on a condition
 //   variable: an idle engine leaves the other cores to the rest of the machine. Waking a sleeping
-//   worker costs the caller 10-20 us (futex and scheduler latency in a VM), and a worker that
+//   worker costs the caller 7-17 us (futex and scheduler latency in a VM), and a worker that
 //   wakes late may claim a chunk just before the caller would have, so sleeping between the jobs
 //   of a step made 2 threads slower than 1 (docs/performance.md).
 // - While spinning, a worker yields its core every kYieldTime, so that if the OS has put it on
@@ -22,9 +23,9 @@
 #include <sched.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
-#include <algorithm>
 #include <condition_variable>
 #include <exception>
 #include <fstream>
