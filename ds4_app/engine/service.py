@@ -411,6 +411,7 @@ class EngineService:
                 pass
         if r.slot is not None and self._by_slot.get(r.slot) is r:
             del self._by_slot[r.slot]
+            self._rates.forget(r.slot)
             s = self.slots.get(r.slot)
             if s is not None:
                 if r.req.session and reason in ("stop", "length") and s.state is SlotState.RUNNING:
@@ -478,37 +479,47 @@ class EngineService:
 
 
 class _Rates:
-    """Token timestamps for tok/s figures: per lane, aggregate, and one point a second."""
+    """Token timestamps for tok/s figures: per lane, aggregate, and one point a second.
+
+    Stats are published after every step, so every query here is O(1) amortized: each deque
+    holds only the last WINDOW seconds and is trimmed as it is read or written.
+    """
 
     WINDOW = 5.0
 
     def __init__(self) -> None:
-        self.events: collections.deque[tuple[float, int | None]] = collections.deque()
+        self.recent: collections.deque[float] = collections.deque()
+        self.lanes: dict[int | None, collections.deque[float]] = {}
         self.per_second: collections.deque[tuple[int, int]] = collections.deque(maxlen=60)
         self.ttfts: collections.deque[float] = collections.deque(maxlen=60)
 
+    def _trim(self, d: collections.deque[float], now: float) -> collections.deque[float]:
+        while d and d[0] < now - self.WINDOW:
+            d.popleft()
+        return d
+
     def token(self, now: float, slot: int | None) -> None:
-        self.events.append((now, slot))
+        self.recent.append(now)
+        self._trim(self.recent, now)
+        self._trim(self.lanes.setdefault(slot, collections.deque()), now).append(now)
         sec = int(now)
         if self.per_second and self.per_second[-1][0] == sec:
             self.per_second[-1] = (sec, self.per_second[-1][1] + 1)
         else:
             self.per_second.append((sec, 1))
-        while self.events and self.events[0][0] < now - self.WINDOW:
-            self.events.popleft()
 
     def ttft(self, seconds: float) -> None:
         self.ttfts.append(seconds)
 
-    def _recent(self, now: float):
-        return [e for e in self.events if e[0] >= now - self.WINDOW]
+    def forget(self, slot: int | None) -> None:
+        """The slot's request ended: its next occupant starts a rate of its own."""
+        self.lanes.pop(slot, None)
 
     def agg_rate(self, now: float) -> float:
-        ev = self._recent(now)
-        return len(ev) / self.WINDOW if ev else 0.0
+        return len(self._trim(self.recent, now)) / self.WINDOW
 
     def lane_rate(self, slot: int, now: float) -> float:
-        ts = [t for t, s in self._recent(now) if s == slot]
+        ts = self._trim(self.lanes.get(slot, collections.deque()), now)
         if len(ts) < 2:
             return 0.0
         return (len(ts) - 1) / max(ts[-1] - ts[0], 1e-9)
