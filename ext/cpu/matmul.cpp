@@ -246,25 +246,31 @@ DS4_AVX2 void fused_rows(const TensorView& W, const float* X, int64_t ldx, float
       }
     };
     if constexpr (DT == DType::Q4_K) {
-      // Per 256-element block: its 8 sub-block scales once, then the 8 chunks of 32.
+      // Per 256-element block, per 32 bytes of nibbles: sub-block 2c from the low nibbles, then
+      // 2c + 1 from the high ones, their scales and mins computed together (no per-chunk branch
+      // on the nibble half; measured 11.6 -> 13.2 elements/ns on a 1-column 256x256 matvec).
       const __m128i low4 = _mm_set1_epi8(0x0f);
       for (int64_t b = 0; b < n32 / 8; ++b) {
         const uint8_t* blk = row + 144 * b;
         const float d = half_scalar(load_u16(blk)), dmin = half_scalar(load_u16(blk + 2));
-        for (int j = 0; j < 8; ++j) {
-          int sc, m;
-          q4k_scale_min(blk + 4, j, &sc, &m);
-          const __m256 dl = _mm256_set1_ps(d * static_cast<float>(sc));
-          const __m256 ml = _mm256_set1_ps(dmin * static_cast<float>(m));
-          const uint8_t* qs = blk + 16 + 32 * (j / 2);
+        for (int c = 0; c < 4; ++c) {
+          int sc0, m0, sc1, m1;
+          q4k_scale_min(blk + 4, 2 * c, &sc0, &m0);
+          q4k_scale_min(blk + 4, 2 * c + 1, &sc1, &m1);
+          const __m256 dl0 = _mm256_set1_ps(d * static_cast<float>(sc0)), ml0 = _mm256_set1_ps(dmin * static_cast<float>(m0));
+          const __m256 dl1 = _mm256_set1_ps(d * static_cast<float>(sc1)), ml1 = _mm256_set1_ps(dmin * static_cast<float>(m1));
+          const uint8_t* qs = blk + 16 + 32 * c;
           __m256 w[4];
           for (int q = 0; q < 4; ++q) {
-            __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
-            if (j & 1) raw = _mm_srli_epi16(raw, 4);
-            const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, low4)));
-            w[q] = _mm256_sub_ps(_mm256_mul_ps(dl, v), ml);
+            const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
+            w[q] = _mm256_sub_ps(_mm256_mul_ps(dl0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, low4)))), ml0);
           }
-          apply(w, 8 * b + j);
+          apply(w, 8 * b + 2 * c);
+          for (int q = 0; q < 4; ++q) {
+            const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
+            w[q] = _mm256_sub_ps(_mm256_mul_ps(dl1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)))), ml1);
+          }
+          apply(w, 8 * b + 2 * c + 1);
         }
       }
     } else {
