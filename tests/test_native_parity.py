@@ -19,7 +19,7 @@ engine's rows once they have passed that check (``_ForcedReference``). What rema
 two sides is fp32 noise (about 2e-6 relative) plus the decisions of this one step. One of those
 is common enough to meet in a few thousand QAT steps: an indexer query value within float noise
 of an FP4 rounding midpoint, whose flip changes the indexer's top-k (3 of 28 QAT sequences of 600
-steps had one, seeds 20-47; no sequence without QAT had any other failure). Such a step must match
+steps had one, seeds 20-47; 12 sequences without QAT, seeds 20-31, passed with none). Such a step must match
 the reference under that value's other rounding, and a sequence may have at most two of them.
 
 Why not free running: a one-ulp difference flips an f16/FP8/FP4 rounding or a router/indexer
