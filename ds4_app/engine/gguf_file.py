@@ -22,7 +22,7 @@ from gguf.gguf_reader import ReaderField
 from gguf.quants import dequantize
 
 from .config import ARCH, ConfigError, DS4Config
-from .tensors import TensorSpec, is_mtp_tensor, tensor_specs, type_name
+from .tensors import GgmlShape, TensorSpec, is_mtp_tensor, tensor_specs, type_name
 
 GGUF_MAGIC_BYTES = b"GGUF"
 
@@ -32,7 +32,7 @@ class ModelFileError(Exception):
 
 
 @dataclass(frozen=True, slots=True)
-class TensorInfo:
+class TensorInfo(GgmlShape):
     """Where one tensor lies in the file: type, ggml shape, absolute byte offset and size."""
 
     name: str
@@ -41,15 +41,6 @@ class TensorInfo:
     ne: tuple[int, ...]
     offset: int
     nbytes: int
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        """The numpy shape (ne reversed)."""
-        return tuple(reversed(self.ne))
-
-    @property
-    def n_elements(self) -> int:
-        return math.prod(self.ne)
 
 
 def format_bytes(n: float) -> str:

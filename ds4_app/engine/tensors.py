@@ -62,13 +62,11 @@ def tensor_nbytes(ggml_type: int, ne: tuple[int, ...]) -> int:
     return math.prod(ne) // block * size
 
 
-@dataclass(frozen=True, slots=True)
-class TensorSpec:
-    """One trunk tensor: GGUF name, ggml shape (``ne``) and storage kind (module docstring)."""
+class GgmlShape:
+    """The numpy view of a ggml shape ``ne`` (columns first), for classes that carry one."""
 
-    name: str
+    __slots__ = ()
     ne: tuple[int, ...]
-    kind: str
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -78,6 +76,15 @@ class TensorSpec:
     @property
     def n_elements(self) -> int:
         return math.prod(self.ne)
+
+
+@dataclass(frozen=True, slots=True)
+class TensorSpec(GgmlShape):
+    """One trunk tensor: GGUF name, ggml shape (``ne``) and storage kind (module docstring)."""
+
+    name: str
+    ne: tuple[int, ...]
+    kind: str
 
     def type_problem(self, ggml_type: int) -> str | None:
         """Why ``ggml_type`` cannot store this tensor, or None when it can."""
