@@ -18,23 +18,14 @@ AlignedBuffer::AlignedBuffer(uint64_t bytes) : bytes_(bytes) {
   ptr_.reset(static_cast<uint8_t*>(p));
 }
 
-PagedState::PagedState(const ModelConfig& cfg, int max_slots, int max_ctx, int n_pages)
-    : head_dim_(cfg.head_dim),
-      index_head_dim_(cfg.index_head_dim),
-      n_layer_(cfg.n_layer),
-      max_slots_(max_slots),
-      n_pages_(n_pages),
-      max_blocks_((max_ctx + kPageTokens - 1) / kPageTokens) {
-  if (max_slots < 1) throw std::invalid_argument("max_slots must be at least 1");
-  if (max_ctx < 1) throw std::invalid_argument("max_ctx must be at least 1");
-  if (n_pages < 0) throw std::invalid_argument("n_pages must be >= 0");
+StateLayout::StateLayout(const ModelConfig& cfg) {
   const uint64_t hd = static_cast<uint64_t>(cfg.head_dim), ihd = static_cast<uint64_t>(cfg.index_head_dim);
-  layers_.resize(cfg.n_layer);
+  layers.resize(cfg.n_layer);
   for (int l = 0; l < cfg.n_layer; ++l) {
-    LayerLayout& L = layers_[l];
+    LayerStateLayout& L = layers[l];
     L.ratio = cfg.compress_ratios[l];
-    L.state_off = state_per_slot_;
-    L.comp_off = page_elems_;
+    L.state_off = state_per_slot;
+    L.comp_off = page_elems;
     if (L.ratio == 4) {
       // Overlapping CSA pools the previous and current block: 2m rows at double width.
       L.attn_rows = 8;
@@ -42,20 +33,34 @@ PagedState::PagedState(const ModelConfig& cfg, int max_slots, int max_ctx, int n
       L.idx_rows = 8;
       L.idx_width = static_cast<int>(2 * ihd);
       L.rows_per_page = kPageTokens / 4;
-      state_per_slot_ += 2ull * L.attn_rows * L.attn_width + 2ull * L.idx_rows * L.idx_width;
+      state_per_slot += 2ull * L.attn_rows * L.attn_width + 2ull * L.idx_rows * L.idx_width;
       L.idx_off = L.comp_off + L.rows_per_page * hd;
-      page_elems_ += L.rows_per_page * (hd + ihd);
+      page_elems += L.rows_per_page * (hd + ihd);
     } else if (L.ratio == 128) {
       L.attn_rows = 128;
       L.attn_width = static_cast<int>(hd);
       L.rows_per_page = 1;
-      state_per_slot_ += 2ull * L.attn_rows * L.attn_width;
-      page_elems_ += hd;
+      state_per_slot += 2ull * L.attn_rows * L.attn_width;
+      page_elems += hd;
     }
   }
+}
+
+PagedState::PagedState(const ModelConfig& cfg, int max_slots, int max_ctx, int n_pages)
+    : head_dim_(cfg.head_dim),
+      index_head_dim_(cfg.index_head_dim),
+      n_layer_(cfg.n_layer),
+      max_slots_(max_slots),
+      n_pages_(n_pages),
+      max_blocks_((max_ctx + kPageTokens - 1) / kPageTokens),
+      layout_(cfg) {
+  if (max_slots < 1) throw std::invalid_argument("max_slots must be at least 1");
+  if (max_ctx < 1) throw std::invalid_argument("max_ctx must be at least 1");
+  if (n_pages < 0) throw std::invalid_argument("n_pages must be >= 0");
+  const uint64_t hd = static_cast<uint64_t>(cfg.head_dim);
   rings_ = AlignedBuffer(2ull * cfg.n_layer * max_slots * kRingRows * hd);
-  states_ = AlignedBuffer(4ull * state_per_slot_ * max_slots);
-  pages_ = AlignedBuffer(2ull * page_elems_ * n_pages);
+  states_ = AlignedBuffer(4ull * layout_.state_per_slot * max_slots);
+  pages_ = AlignedBuffer(2ull * layout_.page_elems * n_pages);
   tables_ = AlignedBuffer(4ull * (static_cast<uint64_t>(max_slots) * max_blocks_ + n_pages));
   for (int s = 0; s < max_slots; ++s) reset_slot(s);
 }
@@ -66,29 +71,29 @@ uint16_t* PagedState::ring_row(int layer, int slot, int64_t pos) const {
 }
 
 CompressorState PagedState::attn_state(int layer, int slot) const {
-  const LayerLayout& L = layers_[layer];
-  float* base = reinterpret_cast<float*>(states_.data()) + state_per_slot_ * slot + L.state_off;
+  const LayerStateLayout& L = layout_.layers[layer];
+  float* base = reinterpret_cast<float*>(states_.data()) + layout_.state_per_slot * slot + L.state_off;
   const uint64_t n = static_cast<uint64_t>(L.attn_rows) * L.attn_width;
   return {base, base + n, L.attn_rows, L.attn_width};
 }
 
 CompressorState PagedState::index_state(int layer, int slot) const {
-  const LayerLayout& L = layers_[layer];
-  float* base = reinterpret_cast<float*>(states_.data()) + state_per_slot_ * slot + L.state_off +
+  const LayerStateLayout& L = layout_.layers[layer];
+  float* base = reinterpret_cast<float*>(states_.data()) + layout_.state_per_slot * slot + L.state_off +
                 2ull * L.attn_rows * L.attn_width;
   const uint64_t n = static_cast<uint64_t>(L.idx_rows) * L.idx_width;
   return {base, base + n, L.idx_rows, L.idx_width};
 }
 
 uint16_t* PagedState::comp_row(int layer, int page, int row_in_page) const {
-  const LayerLayout& L = layers_[layer];
-  return reinterpret_cast<uint16_t*>(pages_.data()) + page_elems_ * page + L.comp_off +
+  const LayerStateLayout& L = layout_.layers[layer];
+  return reinterpret_cast<uint16_t*>(pages_.data()) + layout_.page_elems * page + L.comp_off +
          static_cast<uint64_t>(row_in_page) * head_dim_;
 }
 
 uint16_t* PagedState::index_row(int layer, int page, int row_in_page) const {
-  const LayerLayout& L = layers_[layer];
-  return reinterpret_cast<uint16_t*>(pages_.data()) + page_elems_ * page + L.idx_off +
+  const LayerStateLayout& L = layout_.layers[layer];
+  return reinterpret_cast<uint16_t*>(pages_.data()) + layout_.page_elems * page + L.idx_off +
          static_cast<uint64_t>(row_in_page) * index_head_dim_;
 }
 
@@ -105,7 +110,7 @@ void PagedState::reset_slot(int slot) {
     throw std::out_of_range("slot " + std::to_string(slot) + " is outside 0.." + std::to_string(max_slots_ - 1));
   for (int l = 0; l < n_layer_; ++l) {
     std::memset(ring_row(l, slot, 0), 0, 2ull * kRingRows * head_dim_);
-    const LayerLayout& L = layers_[l];
+    const LayerStateLayout& L = layout_.layers[l];
     if (L.ratio == 0) continue;
     const float neg_inf = -std::numeric_limits<float>::infinity();
     for (const CompressorState& st : {attn_state(l, slot), index_state(l, slot)}) {

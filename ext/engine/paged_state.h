@@ -49,6 +49,24 @@ struct CompressorState {
   int rows = 0, width = 0;
 };
 
+// Where each layer's compressor state sits in a slot's states and its rows in a page (the layout
+// above). The GPU engine allocates and addresses its device state by the same numbers.
+struct LayerStateLayout {
+  int ratio = 0;
+  uint64_t state_off = 0;  // float offset of this layer's state inside one slot's states
+  int attn_rows = 0, attn_width = 0, idx_rows = 0, idx_width = 0;
+  uint64_t comp_off = 0, idx_off = 0;  // element offsets of this layer's rows inside a page
+  int rows_per_page = 0;
+};
+
+// The per-layer layouts of a config and the sizes they add up to.
+struct StateLayout {
+  explicit StateLayout(const ModelConfig& cfg);
+  std::vector<LayerStateLayout> layers;
+  uint64_t state_per_slot = 0;  // floats
+  uint64_t page_elems = 0;      // f16 elements per page
+};
+
 class PagedState {
  public:
   PagedState(const ModelConfig& cfg, int max_slots, int max_ctx, int n_pages);
@@ -79,19 +97,9 @@ class PagedState {
   uint64_t table_bytes() const { return tables_.bytes(); }
 
  private:
-  struct LayerLayout {
-    int ratio = 0;
-    uint64_t state_off = 0;  // float offset of this layer's state inside one slot's states
-    int attn_rows = 0, attn_width = 0, idx_rows = 0, idx_width = 0;
-    uint64_t comp_off = 0, idx_off = 0;  // element offsets of this layer's rows inside a page
-    int rows_per_page = 0;
-  };
-
   int head_dim_, index_head_dim_, n_layer_;
   int max_slots_, n_pages_, max_blocks_;
-  std::vector<LayerLayout> layers_;
-  uint64_t state_per_slot_ = 0;  // floats
-  uint64_t page_elems_ = 0;      // f16 elements per page
+  StateLayout layout_;
   AlignedBuffer rings_, states_, pages_, tables_;
 };
 

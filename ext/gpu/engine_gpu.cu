@@ -31,6 +31,7 @@
 #include <tuple>
 
 #include "../engine/paged_state.h"
+#include "../engine/plan_check.h"
 #include "../engine/weights.h"
 #include "common.cuh"
 #include "ds4_gpu.h"
@@ -101,36 +102,10 @@ constexpr int kGraphsDefaultMaxCtx = 4096;  // graph replay is on by default up 
 constexpr int kExpertPart = 8;  // pairs per part of the grouped expert products (matvec.cuh's kMaxPartCols)
 
 void check_config(const ModelConfig& c, const EngineOptions& o) {
-  auto need = [](bool ok, const std::string& msg) {
-    if (!ok) throw std::invalid_argument(msg);
-  };
-  // The CPU engine's checks (ext/engine/engine.cpp), same messages.
-  need(c.n_layer >= 1 && static_cast<int>(c.compress_ratios.size()) == c.n_layer,
-       "compress_ratios needs one entry per layer");
-  need(static_cast<int>(c.rope_inv_freqs.size()) == c.n_layer, "rope_inv_freqs needs one table per layer");
-  for (const auto& t : c.rope_inv_freqs)
-    need(static_cast<int>(t.size()) == c.rope_dim / 2, "each rope_inv_freqs table needs rope_dim/2 entries");
-  need(static_cast<int>(c.swiglu_clamp_exp.size()) == c.n_layer &&
-           static_cast<int>(c.swiglu_clamp_shexp.size()) == c.n_layer,
-       "swiglu clamps need one value per layer");
-  for (int r : c.compress_ratios) need(r == 0 || r == 4 || r == 128, "compress ratios must be 0, 4 or 128");
-  need(c.sliding_window == kRingRows, "the paged engine needs sliding_window = 128");
-  need(c.rope_dim % 2 == 0 && c.rope_dim > 0 && c.rope_dim <= c.head_dim && c.rope_dim / 2 <= 256,
-       "rope_dim must be even, positive, at most head_dim and 512");
-  need(c.n_head >= 1 && c.o_groups >= 1 && c.n_head % c.o_groups == 0, "n_head must be a multiple of o_groups");
-  need(c.n_expert >= 1 && c.n_expert_used >= 1 && c.n_expert_used <= c.n_expert, "bad expert counts");
-  need(c.n_expert_shared == 0 || c.n_expert_shared == 1, "n_expert_shared must be 0 or 1");
+  // The CPU engine's checks (ext/engine/plan_check.h), same messages.
+  check_config_layers(c);
+  check_config_shapes(c, o);
   const bool csa = std::count(c.compress_ratios.begin(), c.compress_ratios.end(), 4) > 0;
-  if (csa) {
-    need(c.index_head_dim >= c.rope_dim && (c.index_head_dim & (c.index_head_dim - 1)) == 0,
-         "index_head_dim must be a power of two >= rope_dim");
-    need(c.index_n_heads >= 1 && c.index_topk >= 1, "the indexer needs heads and a top-k");
-  }
-  if (c.qat_numerics) {
-    need((c.head_dim - c.rope_dim) % 64 == 0, "qat_numerics needs head_dim - rope_dim to be a multiple of 64");
-    need(!csa || c.index_head_dim % 32 == 0, "qat_numerics needs index_head_dim to be a multiple of 32");
-  }
-  need(o.max_slots >= 1 && o.max_ctx >= 1 && o.n_pages >= 0 && o.max_rows >= 1, "bad engine options");
   // The GPU kernels' own limits.
   auto gpu = [](bool ok, const std::string& msg) {
     if (!ok) throw std::runtime_error("GPU engine: " + msg);
@@ -148,43 +123,6 @@ void check_config(const ModelConfig& c, const EngineOptions& o) {
   }
 }
 
-// Per-layer offsets of the paged state: the CPU's PagedState layout (paged_state.cpp).
-struct Layout {
-  struct Layer {
-    int ratio = 0;
-    uint64_t state_off = 0;
-    int attn_rows = 0, attn_width = 0, idx_rows = 0, idx_width = 0;
-    uint64_t comp_off = 0, idx_off = 0;
-  };
-  std::vector<Layer> layers;
-  uint64_t state_per_slot = 0, page_elems = 0;
-
-  explicit Layout(const ModelConfig& cfg) {
-    const uint64_t hd = cfg.head_dim, ihd = cfg.index_head_dim;
-    layers.resize(cfg.n_layer);
-    for (int l = 0; l < cfg.n_layer; ++l) {
-      Layer& L = layers[l];
-      L.ratio = cfg.compress_ratios[l];
-      L.state_off = state_per_slot;
-      L.comp_off = page_elems;
-      if (L.ratio == 4) {
-        L.attn_rows = 8;
-        L.attn_width = static_cast<int>(2 * hd);
-        L.idx_rows = 8;
-        L.idx_width = static_cast<int>(2 * ihd);
-        state_per_slot += 2ull * L.attn_rows * L.attn_width + 2ull * L.idx_rows * L.idx_width;
-        L.idx_off = L.comp_off + (kPageTokens / 4) * hd;
-        page_elems += (kPageTokens / 4) * (hd + ihd);
-      } else if (L.ratio == 128) {
-        L.attn_rows = 128;
-        L.attn_width = static_cast<int>(hd);
-        state_per_slot += 2ull * L.attn_rows * L.attn_width;
-        page_elems += hd;
-      }
-    }
-  }
-};
-
 }  // namespace
 
 struct GpuEngine::Impl {
@@ -196,7 +134,7 @@ struct GpuEngine::Impl {
   MappedFile file;
   ModelWeights hw;  // host views (validation, and the layout the device views copy)
   ModelWeights dw;  // the same views into device memory
-  Layout layout;
+  StateLayout layout;  // the CPU PagedState layout (paged_state.h)
   int max_blocks = 0;
   bool csa = false, hca = false;
   cudaStream_t stream = nullptr;
@@ -308,7 +246,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   if (rings.bytes()) DS4_GPU_CHECK(cudaMemset(rings.data(), 0, rings.bytes()));
   if (pages.bytes()) DS4_GPU_CHECK(cudaMemset(pages.data(), 0, pages.bytes()));
   slot_reset.assign(layout.state_per_slot, 0.0f);
-  for (const Layout::Layer& L : layout.layers) {
+  for (const LayerStateLayout& L : layout.layers) {
     if (L.ratio == 0) continue;
     const uint64_t na = static_cast<uint64_t>(L.attn_rows) * L.attn_width;
     const uint64_t ni = static_cast<uint64_t>(L.idx_rows) * L.idx_width;
@@ -473,99 +411,21 @@ void GpuEngine::Impl::carve_scratch() {
   if (!f.empty()) DS4_GPU_CHECK(cudaMemcpy(inv_freq, f.data(), f.size() * 8, cudaMemcpyHostToDevice));
 }
 
-// ext/engine/engine.cpp validate_and_group, same checks and messages; also each lane's group and
-// its group's first position.
+// The CPU engine's step checks (ext/engine/plan_check.h), same messages; also each lane's group
+// and its group's first position. The tables change only after every check has passed, so a
+// bad plan leaves the engine as it was.
 void GpuEngine::Impl::validate_and_group(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
                                          const int32_t* lane_pos, int n_tables, const int32_t* table_slot,
                                          const int32_t* block_table, int max_blocks_in) {
-  auto fail = [](const std::string& msg) { throw std::invalid_argument("step plan: " + msg); };
-  if (n_lanes > opts.max_rows)
-    fail(std::to_string(n_lanes) + " lanes exceed max_rows " + std::to_string(opts.max_rows));
-  if (n_tables < 0 || max_blocks_in < 0) fail("negative table dimensions");
-  const int stride = max_blocks;
-  for (int k = 0; k < n_tables; ++k) {
-    const int s = table_slot[k];
-    if (s < 0 || s >= opts.max_slots) fail("table slot " + std::to_string(s) + " out of range");
-    for (int j = 0; j < k; ++j)
-      if (table_slot[j] == s) fail("slot " + std::to_string(s) + " has two block-table rows");
-    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
-    for (int b = 0; b < max_blocks_in; ++b) {
-      if (row[b] < -1 || row[b] >= opts.n_pages)
-        fail("slot " + std::to_string(s) + " names page " + std::to_string(row[b]) + " outside the pool of " +
-             std::to_string(opts.n_pages));
-      if (b >= stride && row[b] != -1)
-        fail("slot " + std::to_string(s) + " has a page beyond max_ctx " + std::to_string(opts.max_ctx));
-    }
-  }
-  for (int i = 0; i < n_lanes; ++i) {
-    const int s = lane_slot[i];
-    bool has_table = false;
-    for (int k = 0; k < n_tables; ++k) has_table = has_table || table_slot[k] == s;
-    if (!has_table) fail("lane " + std::to_string(i) + " slot " + std::to_string(s) + " has no block-table row");
-    if (lane_token[i] < 0 || lane_token[i] >= cfg.n_vocab)
-      fail("lane " + std::to_string(i) + " token " + std::to_string(lane_token[i]) + " outside the vocabulary");
-    if (lane_pos[i] < 0 || lane_pos[i] >= opts.max_ctx)
-      fail("lane " + std::to_string(i) + " position " + std::to_string(lane_pos[i]) + " outside 0.." +
-           std::to_string(opts.max_ctx - 1));
-  }
-  std::fill(page_owner.begin(), page_owner.end(), -1);
-  for (int k = 0; k < n_tables; ++k) {
-    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
-    for (int b = 0; b < max_blocks_in; ++b) {
-      if (row[b] < 0) continue;
-      if (page_owner[row[b]] >= 0)
-        fail("page " + std::to_string(row[b]) + " appears twice in the block tables (slots " +
-             std::to_string(page_owner[row[b]]) + " and " + std::to_string(table_slot[k]) + ")");
-      page_owner[row[b]] = table_slot[k];
-    }
-  }
-  // Group lanes by slot, keeping lane order inside a slot; positions must run consecutively.
-  // (Checked before any table changes, so a bad plan leaves the engine as it was.)
-  n_groups = 0;
-  int filled = 0;
-  for (int i = 0; i < n_lanes; ++i) {
-    bool first = true;
-    for (int j = 0; j < i; ++j) first = first && lane_slot[j] != lane_slot[i];
-    if (!first) continue;
-    group_first[n_groups] = filled;
-    group_slot[n_groups] = lane_slot[i];
-    int prev = -1;
-    for (int j = i; j < n_lanes; ++j) {
-      if (lane_slot[j] != lane_slot[i]) continue;
-      if (prev >= 0 && lane_pos[j] != lane_pos[prev] + 1)
-        fail("slot " + std::to_string(lane_slot[i]) + " lanes are not consecutive positions (" +
-             std::to_string(lane_pos[prev]) + " then " + std::to_string(lane_pos[j]) + ")");
-      order[filled++] = j;
-      lane_group[j] = n_groups;
-      lane_t0[j] = lane_pos[i];
-      prev = j;
-    }
-    group_len[n_groups] = filled - group_first[n_groups];
-    ++n_groups;
-  }
-  for (int k = 0; k < n_tables; ++k) {
-    int32_t* dst = tables.data() + static_cast<int64_t>(table_slot[k]) * stride;
-    const int32_t* row = block_table + static_cast<int64_t>(k) * max_blocks_in;
-    for (int b = 0; b < stride; ++b) dst[b] = b < max_blocks_in ? row[b] : -1;
-  }
+  check_step_plan(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks_in, opts,
+                  cfg.n_vocab, max_blocks, page_owner.data());
+  n_groups = group_lanes(n_lanes, lane_slot, lane_pos, order.data(), group_first.data(), group_len.data(),
+                         group_slot.data(), lane_group.data(), lane_t0.data());
+  copy_block_tables(n_tables, table_slot, block_table, max_blocks_in, tables.data(), max_blocks);
 }
 
-// ext/engine/engine.cpp check_pages: every page a lane reads or writes must be assigned.
-void GpuEngine::Impl::check_pages() {
-  for (int i = 0; i < n; ++i) {
-    const int64_t t = pos[i];
-    int64_t last_page = -1;
-    if (csa && (t + 1) / 4 > 0) last_page = std::max(last_page, ((t + 1) / 4 - 1) * 4 / kPageTokens);
-    if (hca && (t + 1) / 128 > 0) last_page = std::max(last_page, (t + 1) / 128 - 1);
-    const int32_t* table = tables.data() + static_cast<int64_t>(slot_of[i]) * max_blocks;
-    for (int64_t lp = 0; lp <= last_page; ++lp) {
-      if (table[lp] < 0)
-        throw std::invalid_argument("step plan: slot " + std::to_string(slot_of[i]) + " at position " +
-                                    std::to_string(t) + " needs logical page " + std::to_string(lp) +
-                                    ", which its block table leaves unassigned");
-    }
-  }
-}
+// Every page a lane reads or writes must be assigned (plan_check.h).
+void GpuEngine::Impl::check_pages() { ds4::check_pages(n, slot_of, pos, csa, hca, tables.data(), max_blocks); }
 
 void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
                                     const int32_t* lane_pos) {
@@ -598,7 +458,7 @@ void GpuEngine::Impl::hc_pre_site(const HcWeights& w) {
 
 void GpuEngine::Impl::attention_layer(int l) {
   const LayerWeights& L = dw.layers[l];
-  const Layout::Layer& LL = layout.layers[l];
+  const LayerStateLayout& LL = layout.layers[l];
   const int64_t d = cfg.n_embd, hd = cfg.head_dim, nh = cfg.n_head, ql = cfg.q_lora_rank;
   const int rd = cfg.rope_dim;
   const int64_t inh = cfg.index_n_heads, ihd = cfg.index_head_dim;
@@ -933,7 +793,7 @@ SlotStateExport GpuEngine::export_slot_state(int slot, const int32_t* block_tabl
   out.index_kv.resize(c.n_layer);
   out.index_score.resize(c.n_layer);
   for (int l = 0; l < c.n_layer; ++l) {
-    const Layout::Layer& L = m.layout.layers[l];
+    const LayerStateLayout& L = m.layout.layers[l];
     out.ring[l].resize(kRingRows * hd);
     down(out.ring[l].data(),
          m.rings.data() + 2ull * (static_cast<uint64_t>(l) * m.opts.max_slots + slot) * kRingRows * hd,
@@ -997,7 +857,7 @@ void GpuEngine::import_slot_state(int slot, const int32_t* block_table, int max_
   uint8_t* pages = m.pages.data();
   uint8_t* states = m.states.data() + 4ull * m.layout.state_per_slot * slot;
   for (int l = 0; l < c.n_layer; ++l) {
-    const Layout::Layer& Ly = m.layout.layers[l];
+    const LayerStateLayout& Ly = m.layout.layers[l];
     up(m.rings.data() + 2ull * (static_cast<uint64_t>(l) * m.opts.max_slots + slot) * kRingRows * hd,
        st.ring[l].data(), 2ull * kRingRows * hd, 2 * st.ring[l].size());
     if (Ly.ratio == 0) continue;
