@@ -12,7 +12,6 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -24,23 +23,18 @@ from ds4_app.engine.gguf_file import ModelFile
 from ds4_app.engine.memory import plan_memory
 from ds4_app.engine.plan import StepPlan
 from ds4_app.engine.synth import synthesize
+from tests.engine_cases import MAX_CTX, PAGES_PER_SEQ, Seq, prompt, round_trip_samples, run, tensor_entries
 
 native = pytest.importorskip("ds4_app.engine._native")
 
 ROOT = Path(__file__).resolve().parents[1]
-MAX_CTX = 512
-PAGES_PER_SEQ = MAX_CTX // 128
-
-
-def _tensors(mf: ModelFile) -> list[tuple[str, int, tuple[int, ...], int]]:
-    return [(t.name, t.ggml_type, t.ne, t.offset) for t in mf.tensors.values()]
 
 
 def make_engine(mf: ModelFile, *, max_slots: int = 6, n_pages: int | None = None, max_rows: int = 16,
                 n_threads: int = 2, tensors=None, path=None):
     if n_pages is None:
         n_pages = plan_memory(mf.config, max_slots=max_slots, max_ctx=MAX_CTX).n_pages
-    return native.Engine(mf.config, str(path or mf.path), tensors or _tensors(mf), max_slots=max_slots,
+    return native.Engine(mf.config, str(path or mf.path), tensors or tensor_entries(mf), max_slots=max_slots,
                          max_ctx=MAX_CTX, n_pages=n_pages, max_rows=max_rows, n_threads=n_threads)
 
 
@@ -66,45 +60,6 @@ def tiny_model(model_dir: Path, seed: int, qat: bool = False) -> ModelFile:
             raise
         _models[key] = mf
     return _models[key]
-
-
-@dataclass
-class Seq:
-    """A sequence fed to the engine: its tokens, slot, pages, rows per step and start step."""
-
-    tokens: np.ndarray
-    slot: int
-    pages: list[int]
-    rows: int = 1
-    start: int = 0
-
-
-def run(eng, seqs: list[Seq]) -> list[np.ndarray]:
-    """Feed every sequence (all lanes want logits) until done; logits [len, n_vocab] per sequence."""
-    out = [np.empty((len(s.tokens), eng.n_vocab), np.float32) for s in seqs]
-    pos = [0] * len(seqs)
-    step = 0
-    while any(p < len(s.tokens) for p, s in zip(pos, seqs)):
-        lanes, owner = [], []
-        for i, s in enumerate(seqs):
-            if step < s.start:
-                continue
-            for k in range(pos[i], min(len(s.tokens), pos[i] + s.rows)):
-                lanes.append((s.slot, int(s.tokens[k]), k, True))
-                owner.append((i, k))
-        step += 1
-        if not lanes:
-            continue
-        tables = {s.slot: s.pages for i, s in enumerate(seqs) if any(o[0] == i for o in owner)}
-        logits = eng.step(StepPlan.build(lanes, tables, PAGES_PER_SEQ))
-        for row, (i, k) in enumerate(owner):
-            out[i][k] = logits[row]
-            pos[i] = k + 1
-    return out
-
-
-def prompt(mf: ModelFile, seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, mf.config.n_vocab, n)
 
 
 # --- exactness invariants -------------------------------------------------------------------------
@@ -166,7 +121,7 @@ def test_bad_plan_is_refused_before_any_state_changes(invariance_case) -> None:
 
 def test_bad_weights_are_one_line_errors(model_dir: Path, tmp_path: Path) -> None:
     mf = tiny_model(model_dir, 5)
-    tensors = _tensors(mf)
+    tensors = tensor_entries(mf)
     with pytest.raises(RuntimeError, match="missing tensor blk.2.attn_kv.weight"):
         make_engine(mf, tensors=[t for t in tensors if t[0] != "blk.2.attn_kv.weight"])
     wrong = [(n, ty, (ne[0], ne[1] + 1) if n == "blk.1.attn_q_a.weight" else ne, off) for n, ty, ne, off in tensors]
@@ -218,30 +173,15 @@ def _call(lib, fn: str, x: np.ndarray, *extra) -> np.ndarray:
     return y
 
 
-def _samples(block: int) -> list[np.ndarray]:
-    rng = np.random.default_rng(0)
-    out = [(rng.standard_normal(block * 64) * s).astype(np.float32) for s in (1e-30, 1e-6, 1e-2, 1.0, 300.0, 1e5)]
-    # exact ties of the FP4 grid and halfway f16 values, zeros, a lone outlier per block
-    ties = np.tile(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -5.0, 0.0, -0.0], np.float32), block)
-    out.append(ties[: (ties.size // block) * block])
-    spiky = np.zeros(block * 4, np.float32)
-    spiky[::block] = 1000.0
-    spiky[1::block] = 1e-3
-    out.append(spiky)
-    halfway = (np.arange(1, block * 4 + 1, dtype=np.float32) + 0.5) * np.float32(2.0 ** -10)
-    out.append(halfway.astype(np.float32))
-    return out
-
-
 def test_qat_round_trips_match_the_reference_bit_for_bit(ops_lib) -> None:
     from ds4_app.engine.reference import numerics as N
 
-    for x in _samples(64):
+    for x in round_trip_samples(64, 0):
         assert np.array_equal(_call(ops_lib, "t_fp8", x), N.fp8_e4m3_roundtrip(x, 64))
         assert np.array_equal(_call(ops_lib, "t_f16", x), N.round_f16(x))
-    for x in _samples(32):
+    for x in round_trip_samples(32, 0):
         assert np.array_equal(_call(ops_lib, "t_fp4", x), N.fp4_roundtrip(x, 32))
-    for x in _samples(128):
+    for x in round_trip_samples(128, 0):
         rows = x.reshape(-1, 128)
         got = np.stack([_call(ops_lib, "t_had", r) for r in rows])
         assert np.array_equal(got, N.hadamard(rows))

@@ -28,7 +28,6 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). On t
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -39,12 +38,11 @@ from ds4_app.engine.memory import plan_device_memory, plan_memory
 from ds4_app.engine.plan import StepPlan
 from ds4_app.engine.presets import tiny
 from ds4_app.engine.synth import synthesize
+from tests.engine_cases import MAX_CTX, PAGES_PER_SEQ, Seq, prompt, round_trip_samples, run, tensor_entries
 
 native = pytest.importorskip("ds4_app.engine._native")
 pytestmark = pytest.mark.gpu
 
-MAX_CTX = 512
-PAGES_PER_SEQ = MAX_CTX // 128
 REL_TOL = 2e-3
 
 VARIANTS = {
@@ -76,59 +74,16 @@ def model(model_dir: Path, variant: str = "tiny", seed: int = 5, qat: bool = Fal
     return _models[key]
 
 
-def _tensors(mf: ModelFile):
-    return [(t.name, t.ggml_type, t.ne, t.offset) for t in mf.tensors.values()]
-
-
 def gpu_engine(mf: ModelFile, *, max_slots: int = 6, max_rows: int = 16):
     n_pages = plan_memory(mf.config, max_slots=max_slots, max_ctx=MAX_CTX).n_pages
-    return native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=max_slots, max_ctx=MAX_CTX,
+    return native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), max_slots=max_slots, max_ctx=MAX_CTX,
                             n_pages=n_pages, max_rows=max_rows)
 
 
 def cpu_engine(mf: ModelFile, *, max_slots: int = 6, max_rows: int = 16):
     n_pages = plan_memory(mf.config, max_slots=max_slots, max_ctx=MAX_CTX).n_pages
-    return native.Engine(mf.config, str(mf.path), _tensors(mf), max_slots=max_slots, max_ctx=MAX_CTX,
+    return native.Engine(mf.config, str(mf.path), tensor_entries(mf), max_slots=max_slots, max_ctx=MAX_CTX,
                          n_pages=n_pages, max_rows=max_rows, n_threads=2)
-
-
-@dataclass
-class Seq:
-    """A sequence fed to an engine: its tokens, slot, pages, rows per step and start step."""
-
-    tokens: np.ndarray
-    slot: int
-    pages: list[int]
-    rows: int = 1
-    start: int = 0
-
-
-def run(eng, seqs: list[Seq]) -> list[np.ndarray]:
-    """Feed every sequence (all lanes want logits) until done; logits [len, n_vocab] per sequence."""
-    out = [np.empty((len(s.tokens), eng.n_vocab), np.float32) for s in seqs]
-    pos = [0] * len(seqs)
-    step = 0
-    while any(p < len(s.tokens) for p, s in zip(pos, seqs)):
-        lanes, owner = [], []
-        for i, s in enumerate(seqs):
-            if step < s.start:
-                continue
-            for k in range(pos[i], min(len(s.tokens), pos[i] + s.rows)):
-                lanes.append((s.slot, int(s.tokens[k]), k, True))
-                owner.append((i, k))
-        step += 1
-        if not lanes:
-            continue
-        tables = {s.slot: s.pages for i, s in enumerate(seqs) if any(o[0] == i for o in owner)}
-        logits = eng.step(StepPlan.build(lanes, tables, PAGES_PER_SEQ))
-        for row, (i, k) in enumerate(owner):
-            out[i][k] = logits[row]
-            pos[i] = k + 1
-    return out
-
-
-def prompt(mf: ModelFile, seed: int, n: int) -> np.ndarray:
-    return np.random.default_rng(seed).integers(0, mf.config.n_vocab, n)
 
 
 def rel_err(got: np.ndarray, want: np.ndarray) -> np.ndarray:
@@ -171,31 +126,17 @@ def test_free_running_logits_match_the_cpu_engine(model_dir: Path, variant: str)
         assert err.max() <= REL_TOL, f"worst step {int(err.argmax())}: {err.max():.2e}"
 
 
-def _samples(block: int) -> list[np.ndarray]:
-    """Rows for the round trips: many scales, exact FP4 ties, f16 halfway values, lone outliers."""
-    rng = np.random.default_rng()
-    out = [(rng.standard_normal(block * 64) * s).astype(np.float32) for s in (1e-30, 1e-6, 1e-2, 1.0, 300.0, 1e5)]
-    ties = np.tile(np.array([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, -0.25, -5.0, 0.0, -0.0], np.float32), block)
-    out.append(ties[: (ties.size // block) * block])
-    spiky = np.zeros(block * 4, np.float32)
-    spiky[::block] = 1000.0
-    spiky[1::block] = 1e-3
-    out.append(spiky)
-    out.append(((np.arange(1, block * 4 + 1, dtype=np.float32) + 0.5) * np.float32(2.0 ** -10)).astype(np.float32))
-    return out
-
-
 def test_round_trips_are_the_references_bit_for_bit() -> None:
     from ds4_app.engine.reference import numerics as N
 
-    for x in _samples(64):
+    for x in round_trip_samples(64, None):
         rows = x.reshape(-1, 64)
         assert np.array_equal(native._testing.gpu_qat("fp8", rows), N.fp8_e4m3_roundtrip(rows, 64))
         assert np.array_equal(native._testing.gpu_qat("f16", rows), N.round_f16(rows))
-    for x in _samples(32):
+    for x in round_trip_samples(32, None):
         rows = x.reshape(-1, 32)
         assert np.array_equal(native._testing.gpu_qat("fp4", rows), N.fp4_roundtrip(rows, 32))
-    for x in _samples(128):
+    for x in round_trip_samples(128, None):
         rows = x.reshape(-1, 128)
         assert np.array_equal(native._testing.gpu_qat("hadamard", rows), N.hadamard(rows))
 
@@ -359,7 +300,7 @@ def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -
     assert eng.use_graphs and eng.use_tall_matvec  # checked bit for bit and faster on an H200
     assert eng.use_staged_matvec
     n_pages = plan_memory(mf.config, max_slots=1, max_ctx=8192).n_pages
-    big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
+    big = native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
     assert not big.use_graphs and big.use_tall_matvec  # graphs only up to the max_ctx measured
     monkeypatch.setenv("DS4_GPU_GRAPHS", "0")
     monkeypatch.setenv("DS4_GPU_MV_TALL", "0")
@@ -367,7 +308,7 @@ def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -
     eng = gpu_engine(mf, max_slots=1)
     assert not eng.use_graphs and not eng.use_tall_matvec and not eng.use_staged_matvec
     monkeypatch.setenv("DS4_GPU_GRAPHS", "1")
-    big = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
+    big = native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), max_slots=1, max_ctx=8192, n_pages=n_pages)
     assert big.use_graphs
 
 
@@ -391,7 +332,7 @@ def test_bad_plans_are_refused_as_on_the_cpu(invariance_case) -> None:
 def test_allocations_equal_the_device_memory_plan(model_dir: Path) -> None:
     for variant in ("tiny", "swa"):
         mf = model(model_dir, variant, seed=5)
-        eng = native.GpuEngine(mf.config, str(mf.path), _tensors(mf), max_slots=3, max_ctx=1000, n_pages=11,
+        eng = native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), max_slots=3, max_ctx=1000, n_pages=11,
                                max_rows=7)
         plan = plan_device_memory(mf.config, max_slots=3, max_ctx=1000, kv_pool_tokens=11 * 128, max_rows=7,
                                   weights_bytes=mf.file_size)
