@@ -227,6 +227,8 @@ class RemoteEngine:
             body["ignore_eos"] = True
         if req.messages is not None:
             body["messages"] = [_message_json(m) for m in req.messages]
+            if req.session:
+                body["session_id"] = req.session  # ds4-app servers keep the slot resident; others ignore it
             body["chat_template_kwargs"] = {"thinking": req.thinking, "enable_thinking": req.thinking}
             return body, "/v1/chat/completions"
         body["prompt"] = req.prompt

@@ -11,6 +11,10 @@ Thinking is chosen by, in order of precedence: ``chat_template_kwargs.thinking``
 ``enable_thinking``), ``thinking`` (a bool or ``{"type": "enabled"|"disabled"}``),
 ``reasoning_effort`` / ``reasoning.effort`` ("none"/"minimal" off, "low"/"medium"/"high" on),
 then the server's default.
+
+``session_id`` (a ds4-app extension, chat only) names a resident session: the slot stays resident
+after the answer, and a next request with the same ``session_id`` whose messages continue the
+conversation (the reply as returned, then new messages) prefills only the new tokens.
 """
 
 from __future__ import annotations
@@ -68,7 +72,9 @@ def parse_chat(body: dict[str, Any], *, models: Collection[str], model_name: str
     if max_tokens is None:
         max_tokens = _opt_int(body, "max_tokens", lo=1)
     sampling = _sampling(body, max_tokens)
-    return ParsedRequest("chat", GenerationRequest(messages=messages, sampling=sampling, thinking=thinking),
+    session = _session(body)
+    return ParsedRequest("chat", GenerationRequest(messages=messages, sampling=sampling, thinking=thinking,
+                                                   session=session),
                          stream, include_usage, model)
 
 
@@ -310,6 +316,19 @@ def _stop(s: Any) -> tuple[str, ...]:
         if not isinstance(x, str) or not x:
             raise bad_request("stop strings must be non-empty strings", "stop")
     return tuple(items)
+
+
+MAX_SESSION_ID = 128
+
+
+def _session(body: dict[str, Any]) -> str | None:
+    v = body.get("session_id")
+    if v is None:
+        return None
+    if not isinstance(v, str) or not 1 <= len(v) <= MAX_SESSION_ID:
+        raise bad_request(f"session_id must be a string of 1 to {MAX_SESSION_ID} characters, got {_kind(v)}",
+                          "session_id")
+    return v
 
 
 def _opt_bool(body: dict[str, Any], name: str) -> bool | None:

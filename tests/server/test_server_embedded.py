@@ -243,3 +243,25 @@ def _wait(pred, timeout: float = 30.0) -> bool:
             return True
         time.sleep(0.01)
     return False
+
+
+def test_session_id_keeps_the_conversation_resident(server6):
+    """Two turns with one session_id: the second prefills only its new tokens (the whole first
+    turn shows as cached tokens in usage); a session_id that is not a string is a 400."""
+    def turn(messages, session=None):
+        body = {"messages": messages, "max_tokens": 8, "ignore_eos": True}
+        if session:
+            body["session_id"] = session
+        r = server6.http.post("/v1/chat/completions", json=body)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    first = [{"role": "user", "content": "Hello, who are you?"}]
+    a1 = turn(first, "chat-1")
+    second = first + [{"role": "assistant", "content": a1["choices"][0]["message"]["content"]},
+                      {"role": "user", "content": "And what can you do?"}]
+    a2 = turn(second, "chat-1")
+    cached = a2["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert cached >= a1["usage"]["prompt_tokens"]
+    bad = server6.http.post("/v1/chat/completions", json={"messages": first, "session_id": 7})
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "session_id"
