@@ -25,7 +25,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
-
 from .api import (ContextLengthExceeded, EngineUnavailable, ExceedsPool, Finished,
                   GenerationRequest, InvalidRequest, LaneStats, PoolStats, QueueFull, StatsSnapshot,
                   Usage)
