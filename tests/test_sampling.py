@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from ds4_app.engine.sampling import (SamplerConfig, StopMatcher, apply_penalties, probabilities,
-                                     sample)
+                                     sample, sample_rows)
 
 
 def logits_of(probs) -> np.ndarray:
@@ -50,6 +50,49 @@ def test_greedy_applies_penalties_first():
     cfg = SamplerConfig(presence_penalty=0.5)
     assert sample(logits, cfg, np.random.default_rng(0), history=[0]) == 1
     assert sample(logits, cfg, np.random.default_rng(0), history=[2]) == 0
+
+
+def test_greedy_sample_is_the_argmax_of_its_distribution_even_with_nan():
+    # sample's greedy path skips the one-hot vector; it must pick what probabilities() marks.
+    rng = np.random.default_rng(3)
+    for trial in range(200):
+        x = rng.integers(-3, 4, size=int(rng.integers(1, 40))).astype(np.float32)  # many ties
+        if trial % 4 == 0:
+            x[rng.integers(0, x.shape[0], size=2)] = np.nan
+        cfg = SamplerConfig(presence_penalty=0.5) if trial % 3 == 0 else SamplerConfig()
+        hist = rng.integers(0, x.shape[0], size=5).tolist()
+        assert sample(x, cfg, rng, hist) == int(np.argmax(probabilities(x, cfg, hist)))
+
+
+# ---- a step's rows --------------------------------------------------------------------------
+
+ROW_CONFIGS = [SamplerConfig(), SamplerConfig(repetition_penalty=1.3),
+               SamplerConfig(temperature=0.8, top_k=5, seed=1), SamplerConfig(temperature=1.1, top_p=0.9)]
+
+
+@pytest.mark.parametrize("mix", [(0, 0, 0), (0, 1, 0), (2, 0, 3, 0), (2, 3), (1,), ()])
+def test_sample_rows_is_sample_row_by_row(mix):
+    data = np.random.default_rng(len(mix))
+    for _ in range(50):
+        logits = data.integers(-2, 3, size=(len(mix), 33)).astype(np.float32)  # ties in every row
+        if len(mix) and data.random() < 0.3:
+            logits[0, data.integers(0, 33)] = np.nan
+        cfgs = [ROW_CONFIGS[k] for k in mix]
+        hists = [data.integers(0, 33, size=8).tolist() for _ in mix]
+        seeds = data.integers(0, 1000, size=len(mix)).tolist()
+        rngs_a = [np.random.default_rng(s) for s in seeds]
+        rngs_b = [np.random.default_rng(s) for s in seeds]
+        want = [sample(logits[i], cfgs[i], rngs_a[i], hists[i]) for i in range(len(mix))]
+        assert sample_rows(logits, cfgs, rngs_b, hists) == want
+        # the same draws were taken from every generator
+        assert [r.bit_generator.state for r in rngs_b] == [r.bit_generator.state for r in rngs_a]
+
+
+def test_sample_rows_checks_its_shapes():
+    with pytest.raises(ValueError):
+        sample_rows(np.zeros((2, 4), np.float32), [SamplerConfig()], [np.random.default_rng()], [[]])
+    with pytest.raises(ValueError):
+        sample_rows(np.zeros((1, 0), np.float32), [SamplerConfig()], [np.random.default_rng()], [[]])
 
 
 # ---- filters --------------------------------------------------------------------------------
@@ -238,4 +281,6 @@ def test_overlapping_prefixes_hold_the_longest_candidate():
 def test_no_stops_passes_everything_through():
     m = StopMatcher()
     assert m.feed("abc") == ("abc", False)
+    assert m.feed("") == ("", False)
+    assert not m.stopped
     assert m.flush() == ""

@@ -176,14 +176,46 @@ def sample(logits: np.ndarray, cfg: SamplerConfig, rng: np.random.Generator,
     Greedy takes the argmax (lowest id on ties) and does not touch ``rng``; otherwise exactly one
     float64 uniform is drawn from ``rng``, so a slot's stream of draws depends only on its seed.
     """
-    p = probabilities(logits, cfg, history)
     if cfg.greedy:
-        return int(np.argmax(p))
+        # What ``probabilities`` would do, without building its one-hot vector: the argmax of
+        # the penalised float32 logits (np.argmax: lowest id among ties, the first NaN if any).
+        x = apply_penalties(logits, cfg, history)
+        if x.ndim != 1 or x.shape[0] == 0:
+            raise ValueError("logits must be a non-empty 1-D array")
+        return int(np.argmax(x))
+    p = probabilities(logits, cfg, history)
     cdf = np.cumsum(p)
     u = rng.random() * cdf[-1]
     idx = int(np.searchsorted(cdf, u, side="right"))
     # u can round up to cdf[-1]; fall back to the last token that has any probability.
     return min(idx, int(np.flatnonzero(p)[-1]))
+
+
+def sample_rows(logits: np.ndarray, cfgs: Sequence[SamplerConfig], rngs: Sequence[np.random.Generator],
+                histories: Sequence[Sequence[int]]) -> list[int]:
+    """``sample`` for each row of a step's logits [n, vocab], row i with ``cfgs[i]``, ``rngs[i]``
+    and ``histories[i]``; the same ids as calling ``sample`` row by row, in row order.
+
+    Rows that are plain greedy (temperature 0, no penalty) take one argmax over all of them:
+    np.argmax along the last axis picks, per row, exactly what it picks for that row alone, and
+    for float32 logits ``apply_penalties`` without penalties is an exact copy.
+    """
+    n = len(cfgs)
+    if not (len(rngs) == len(histories) == n) or logits.ndim != 2 or logits.shape[0] != n:
+        raise ValueError(f"sample_rows: {n} configs for logits of shape {logits.shape}")
+    plain = [i for i, c in enumerate(cfgs) if c.temperature == 0 and not c.uses_penalties]
+    if not plain or logits.dtype != np.float32 or logits.shape[1] == 0:
+        return [sample(logits[i], cfgs[i], rngs[i], histories[i]) for i in range(n)]
+    if len(plain) == n:
+        return np.argmax(logits, axis=1).tolist()
+    out: list[int] = [0] * n
+    for i, tok in zip(plain, np.argmax(logits[plain], axis=1).tolist()):
+        out[i] = tok
+    plain_set = set(plain)
+    for i in range(n):
+        if i not in plain_set:
+            out[i] = sample(logits[i], cfgs[i], rngs[i], histories[i])
+    return out
 
 
 class StopMatcher:
@@ -212,6 +244,8 @@ class StopMatcher:
 
     def feed(self, text: str) -> tuple[str, bool]:
         """Add decoded text; return ``(text safe to emit, whether a stop string was hit)``."""
+        if not self._stops:  # nothing to match: the text as it is (no copy)
+            return text, False
         if self._stopped:
             return "", True
         buf = self._buf + text
