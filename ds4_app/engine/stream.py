@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import threading
-from typing import AsyncIterator, Callable, Iterator
+from typing import AsyncIterator, Callable, Iterable, Iterator
 
 from .api import Event, Finished, ServiceError
 
@@ -25,7 +25,7 @@ class EventStream:
                  on_overflow: Callable[[str], None] | None = None) -> None:
         self.request_id = request_id
         self._buf: collections.deque[Event] = collections.deque()
-        self._cond = threading.Condition()
+        self._cond = threading.Condition(threading.Lock())  # never taken re-entrantly
         self._max = max_buffered
         self._on_overflow = on_overflow
         self._overflowed = False
@@ -46,20 +46,23 @@ class EventStream:
             else:
                 self._buf.append(ev)
                 self._done = final
+            # One pass under the lock the append took (this runs once per token per request).
+            self._cond.notify_all()
+            waiters = list(self._waiters) if self._waiters else ()
         if overflow and self._on_overflow is not None:
             self._on_overflow(self.request_id)
-        self._notify()
+        self._wake_async(waiters)
 
     def fail(self, error: ServiceError) -> None:
         """The request was refused: the consumer's next read raises ``error``."""
         with self._cond:
             self._error = error
-        self._notify()
-
-    def _notify(self) -> None:
-        with self._cond:
             self._cond.notify_all()
             waiters = list(self._waiters)
+        self._wake_async(waiters)
+
+    @staticmethod
+    def _wake_async(waiters: Iterable[tuple[asyncio.AbstractEventLoop, asyncio.Event]]) -> None:
         for loop, event in waiters:
             try:
                 loop.call_soon_threadsafe(event.set)
