@@ -256,13 +256,19 @@ def simulate(seed: int) -> tuple[int, int, int]:
         p = st.plan
         assert p.n_lanes <= lim.max_rows and len(st.rows) <= lim.max_seqs
         decoders = [i for i in st.rows if before[i][1] - before[i][0] == 1]
-        assert all(st.rows[i] == 1 for i in decoders)
+        assert all(st.rows[i] == 1 for i in decoders) and st.n_decode_rows == len(decoders)
+        assert all(a.flags.c_contiguous for a in (p.lane_slot, p.lane_token, p.lane_pos, p.lane_logits,
+                                                  p.table_slot, p.block_table))
+        assert p.table_slot.tolist() == sorted(st.rows)
         for i, rows in st.rows.items():
             mine = p.lane_slot == i
             pos = p.lane_pos[mine]
             assert pos.tolist() == list(range(before[i][0], before[i][0] + rows))
+            assert p.lane_token[mine].tolist() == m.slot(i).tokens[before[i][0]:before[i][0] + rows]
             row = p.block_table[p.table_slot.tolist().index(i)]
             assert (row[pos // 128] >= 0).all()  # every lane's page is mapped
+            table = m.block_table(i)
+            assert row.tolist() == table + [-1] * (row.shape[0] - len(table))
         assert np.array_equal(p.lane_logits == 1,
                               p.lane_pos == np.array([before[i][1] - 1 for i in p.lane_slot]))
         for i in sch.commit(st, {s: rnd.randrange(50) for s in st.logit_slots}):

@@ -1,5 +1,6 @@
 """Exact tests of the slot manager: admission, page accounting, sessions, eviction, preemption."""
 
+import numpy as np
 import pytest
 
 from ds4_app.engine.pages import PagePool, PoolExhausted
@@ -133,6 +134,24 @@ def test_grow_appends_exact_ids_and_respects_max_ctx():
     assert m.block_table(a) == [0, 1, 2]
     with pytest.raises(ValueError):
         m.grow(a, 385)
+
+
+def test_block_tables_follow_grow_and_retire():
+    m, pool = make(n_pages=8, max_ctx=512)  # 4 page columns
+    a = m.admit("a", [1] * 300, GREEDY)
+    b = m.admit("b", [1] * 10, GREEDY)
+    m.grow(b, 10)
+    m.grow(a, 300)
+    assert m.block_tables(np.array([a, b], dtype=np.int32)).tolist() == [[1, 2, 3, -1], [0, -1, -1, -1]]
+    m.retire(a)
+    c = m.admit("c", [1] * 5, GREEDY)  # reuses a's slot: none of a's pages may show
+    assert c == a
+    assert m.block_tables(np.array([b, c], dtype=np.int32)).tolist() == [[0, -1, -1, -1], [-1] * 4]
+    m.grow(c, 5)
+    rows = m.block_tables(np.array([c], dtype=np.int32))
+    assert rows.dtype == np.int32 and rows.tolist() == [[1, -1, -1, -1]]
+    rows[0, 0] = 7  # a copy: the manager's tables do not move
+    assert m.block_tables(np.array([c], dtype=np.int32)).tolist() == [[1, -1, -1, -1]]
 
 
 def test_ensure_decode_headroom_is_preflighted_over_the_cohort():

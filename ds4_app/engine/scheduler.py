@@ -24,17 +24,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from ds4_app.engine.plan import StepLimits, StepPlan
 from ds4_app.engine.slots import Preempted, Slot, SlotManager, SlotState
 
-
-@dataclass(frozen=True, slots=True)
-class _Ran:
-    slot: int
-    order: int  # identifies the request: a slot index is reused, an admission tick is not
-    base: int  # n_computed when the step was planned
-    rows: int
-    logits: bool
+# What commit needs of one slot that ran: (slot, order, base, rows, logits). ``order`` identifies
+# the request (a slot index is reused, an admission tick is not); ``base`` is n_computed when the
+# step was planned. A plain tuple: one is built per slot per step, and a frozen dataclass costs
+# several times as much to build.
+_Ran = tuple[int, int, int, int, bool]
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,13 +41,15 @@ class ScheduledStep:
     """One planned step: the ``StepPlan`` for the runner plus what ``commit`` needs back.
 
     ``rows`` maps slot -> rows it runs; ``logit_slots`` lists the slots whose logits the runner
-    returns, in lane order; ``evicted`` (session ids) and ``preempted`` (requests to resubmit)
-    report what making room for this step cost.
+    returns, in lane order; ``n_decode_rows`` counts the lanes that are decoders (the rest are
+    prompt rows); ``evicted`` (session ids) and ``preempted`` (requests to resubmit) report what
+    making room for this step cost.
     """
 
     plan: StepPlan
     rows: dict[int, int]
     logit_slots: tuple[int, ...]
+    n_decode_rows: int
     evicted: tuple[str | None, ...]
     preempted: tuple[Preempted, ...]
     _ran: tuple[_Ran, ...]
@@ -94,12 +95,14 @@ class Scheduler:
         return [s for s in self.slots.running() if not s.length_done]
 
     def _secure_decoders(self, evicted: list[str | None],
-                         preempted: list[Preempted]) -> list[Slot]:
-        """All decoders, each with pages for its pending token; makes room when needed."""
+                         preempted: list[Preempted]) -> tuple[list[Slot], list[Slot]]:
+        """All decoders, each with pages for its pending token, and the runnable slots they were
+        drawn from (oldest first); makes room when needed."""
         while True:
-            decoders = [s for s in self._runnable() if s.n_pending == 1]
-            if self.slots.ensure_decode_headroom(*(s.index for s in decoders)):
-                return decoders
+            runnable = self._runnable()
+            decoders = [s for s in runnable if s.n_pending == 1]
+            if self.slots.ensure_headroom(decoders):
+                return decoders, runnable
             if self.slots.idle():
                 evicted.append(self.slots.evict_lru())
             else:
@@ -112,8 +115,9 @@ class Scheduler:
         lim = self.limits
         evicted: list[str | None] = []
         preempted: list[Preempted] = []
-        decoders = self._secure_decoders(evicted, preempted)
-        prompts = [s for s in self._runnable() if s.n_pending > 1]
+        decoders, runnable = self._secure_decoders(evicted, preempted)
+        # ensure_headroom only reserves pages, so the runnable set is still the one it checked.
+        prompts = [s for s in runnable if s.n_pending > 1]
         if len(decoders) > lim.max_seqs:
             start = self._decode_rr % len(decoders)
             self._decode_rr += lim.max_seqs
@@ -131,24 +135,44 @@ class Scheduler:
                                   self._prompt_rr % len(cohort))
             self._prompt_rr += 1
 
-        lanes: list[tuple[int, int, int, bool]] = []
+        # The plan's four lane columns, built as lists and turned into one int32 array at the end.
+        l_slot: list[int] = []
+        l_token: list[int] = []
+        l_pos: list[int] = []
+        l_logits: list[int] = []
         ran: list[_Ran] = []
-        for s, rows in [(s, 1) for s in decoders] + list(zip(cohort, grants)):
+        grow = self.slots.grow
+        for s in decoders:
+            # A decoder's one pending token is its last: it always wants logits.
+            base = s.n_computed
+            grow(s.index, base + 1)
+            l_slot.append(s.index)
+            l_token.append(s.tokens[base])
+            l_pos.append(base)
+            l_logits.append(1)
+            ran.append((s.index, s.order, base, 1, True))
+        for s, rows in zip(cohort, grants):
             if rows == 0:
                 continue
             base = s.n_computed
-            self.slots.grow(s.index, base + rows)
-            # Only the row at the last known token has logits worth computing: it is the next
-            # token for a decoder and the first generated token when it completes a prompt.
-            last = len(s.tokens) - 1
-            for pos in range(base, base + rows):
-                lanes.append((s.index, s.tokens[pos], pos, pos == last))
-            ran.append(_Ran(s.index, s.order, base, rows, base + rows - 1 == last))
+            end = base + rows
+            grow(s.index, end)
+            # Only the row at the last known token has logits worth computing: it is the first
+            # generated token when it completes the prompt.
+            logits = end == len(s.tokens)
+            l_slot.extend([s.index] * rows)
+            l_token.extend(s.tokens[base:end])
+            l_pos.extend(range(base, end))
+            l_logits.extend([0] * (rows - 1))
+            l_logits.append(int(logits))
+            ran.append((s.index, s.order, base, rows, logits))
 
-        tables = {r.slot: self.slots.block_table(r.slot) for r in ran}
-        plan = StepPlan.build(lanes, tables, self.slots.max_pages)
-        return ScheduledStep(plan=plan, rows={r.slot: r.rows for r in ran},
-                             logit_slots=tuple(r.slot for r in ran if r.logits),
+        lanes = np.array([l_slot, l_token, l_pos, l_logits], dtype=np.int32)  # rows are contiguous
+        table_slot = np.array(sorted(r[0] for r in ran), dtype=np.int32)
+        plan = StepPlan(lane_slot=lanes[0], lane_token=lanes[1], lane_pos=lanes[2], lane_logits=lanes[3],
+                        table_slot=table_slot, block_table=self.slots.block_tables(table_slot))
+        return ScheduledStep(plan=plan, rows={r[0]: r[3] for r in ran},
+                             logit_slots=tuple(r[0] for r in ran if r[4]), n_decode_rows=len(decoders),
                              evicted=tuple(evicted), preempted=tuple(preempted), _ran=tuple(ran))
 
     def commit(self, step: ScheduledStep, sampled: dict[int, int]) -> list[int]:
@@ -158,19 +182,20 @@ class Scheduler:
         Slots retired (or reused) since the step was planned are skipped. Returns the slots whose
         request reached its length limit with this step, for the caller to retire or park.
         """
-        if set(sampled) != set(step.logit_slots):
+        if len(sampled) != len(step.logit_slots) or not all(s in sampled for s in step.logit_slots):
             raise ValueError(f"sampled tokens for slots {sorted(sampled)}, "
                              f"expected {sorted(step.logit_slots)}")
         done: list[int] = []
-        for r in step._ran:
-            s = self.slots.get(r.slot)
-            if s is None or s.order != r.order or s.state is not SlotState.RUNNING:
+        get = self.slots.get
+        for slot, order, base, rows, logits in step._ran:
+            s = get(slot)
+            if s is None or s.order != order or s.state is not SlotState.RUNNING:
                 continue
-            if s.n_computed != r.base:
-                raise RuntimeError(f"slot {r.slot} moved since its step was planned")
-            s.n_computed += r.rows
-            if r.logits:
-                s.tokens.append(int(sampled[r.slot]))
+            if s.n_computed != base:
+                raise RuntimeError(f"slot {slot} moved since its step was planned")
+            s.n_computed += rows
+            if logits:
+                s.tokens.append(int(sampled[slot]))
                 if s.length_done:
-                    done.append(r.slot)
+                    done.append(slot)
         return done

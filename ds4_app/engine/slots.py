@@ -138,6 +138,9 @@ class SlotManager:
         self.max_pages = pages_for(max_ctx)  # block-table width
         self.pool = pool
         self._slots: list[Slot | None] = [None] * max_slots
+        # Every slot's block table as the engine takes it (-1 where unassigned), kept beside the
+        # Slot.block_table lists by grow and retire, so a step's tables are one gather.
+        self._tables = np.full((max_slots, self.max_pages), -1, dtype=np.int32)
         self._tick = 0
         self.n_evictions = 0
         self.n_preemptions = 0
@@ -176,6 +179,11 @@ class SlotManager:
     def block_table(self, slot: int) -> list[int]:
         """The slot's physical page per logical page, in order (a copy)."""
         return list(self.slot(slot).block_table)
+
+    def block_tables(self, slots: np.ndarray) -> np.ndarray:
+        """int32 [len(slots), max_pages]: the block table of each given slot, padded with -1 (a
+        copy, as a StepPlan wants it)."""
+        return self._tables[slots]
 
     # ---- admission ------------------------------------------------------------------------
     def admit(self, request_id: str, prompt_tokens: Sequence[int], sampler: SamplerConfig, *,
@@ -252,7 +260,9 @@ class SlotManager:
         if short <= 0:
             return []
         ids = self.pool.append(s.handle, short)
+        n = len(s.block_table)
         s.block_table.extend(ids)
+        self._tables[slot, n:n + short] = ids
         return ids
 
     def ensure_decode_headroom(self, *slots: int) -> bool:
@@ -262,15 +272,26 @@ class SlotManager:
         reserved and False is returned (the caller evicts or preempts). The extra page is best
         effort, taken oldest slot first.
         """
-        cohort = sorted((self.slot(i) for i in slots), key=lambda s: s.order)
-        now = [max(0, pages_for(min(len(s.tokens), self.max_ctx)) - self.pool.held(s.handle))
-               for s in cohort]
-        if sum(now) > self.pool.n_free:
+        return self.ensure_headroom(sorted((self.slot(i) for i in slots), key=lambda s: s.order))
+
+    def ensure_headroom(self, cohort: Sequence[Slot]) -> bool:
+        """``ensure_decode_headroom`` for slots given oldest first (as ``running()`` lists them),
+        skipping the work that changes nothing: the scheduler calls this every step."""
+        pool, max_ctx, max_pages = self.pool, self.max_ctx, self.max_pages
+        held = [pool.held(s.handle) for s in cohort]
+        now = [max(0, pages_for(min(len(s.tokens), max_ctx)) - h) for s, h in zip(cohort, held)]
+        if sum(now) > pool.n_free:
             return False
         for s, n in zip(cohort, now):
-            self.pool.reserve_more(s.handle, n)
-        for s in cohort:
-            self.pool.reserve_more(s.handle, min(self._headroom_deficit(s), self.pool.n_free))
+            if n:
+                pool.reserve_more(s.handle, n)
+        for s, h, n in zip(cohort, held, now):
+            # _headroom_deficit(s), with the pages just reserved counted in
+            deficit = min(pages_for(len(s.tokens)) + 1, max_pages) - (h + n)
+            if deficit > 0:
+                extra = min(deficit, pool.n_free)
+                if extra:
+                    pool.reserve_more(s.handle, extra)
         return True
 
     # ---- leaving --------------------------------------------------------------------------
@@ -279,6 +300,7 @@ class SlotManager:
         s = self.slot(slot)
         self.pool.release(s.handle)
         self._slots[slot] = None
+        self._tables[slot] = -1
 
     def evict_lru(self) -> str | None:
         """Retire the least recently used parked slot; returns its session id (None if none)."""
