@@ -30,7 +30,7 @@ from .api import (ContextLengthExceeded, EngineUnavailable, ExceedsPool, Finishe
                   Usage)
 from .chat import Delta, Message, ReplyParser, encode_chat, render_chat
 from .pages import PagePool, pages_for
-from .sampling import StopMatcher, sample
+from .sampling import StopMatcher, sample_rows
 from .scheduler import Scheduler
 from .slots import AdmissionError, Busy, Preempted, SlotManager, SlotState
 from .stream import EventStream
@@ -97,8 +97,12 @@ class EngineService:
         self._failed: str | None = None
         self._sessions: dict[str, _SessionHistory] = {}
         self._rates = _Rates()
-        self._counters = collections.Counter()
-        self._last_step = (0, 0)
+        self._finished = collections.Counter()  # by finish reason
+        self._eos_id = tokenizer.eos_id
+        # The per-step counters as one tuple, replaced (never mutated) after each step so that
+        # stats() on another thread reads a consistent set: steps, prompt tokens, generated
+        # tokens, and the last step's decode and prompt rows.
+        self._counts: tuple[int, int, int, int, int] = (0, 0, 0, 0, 0)
         self._stats = StatsSnapshot.empty(runner.backend, runner.device, model_name)
         self._publish_stats()  # the pool, memory and limits are known before the first step
         self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
@@ -238,8 +242,10 @@ class EngineService:
                         break
                     cancels, self._cancels = self._cancels, set()
                     forget, self._forget = self._forget, set()
-                self._apply_cancels(cancels)
-                self._apply_forget(forget)
+                if cancels:
+                    self._apply_cancels(cancels)
+                if forget:
+                    self._apply_forget(forget)
                 self._admit()
                 self._step()
                 self._publish_stats()
@@ -270,6 +276,8 @@ class EngineService:
 
     def _admit(self) -> None:
         """Admit queued requests in FIFO order while slots and pages allow."""
+        if not self._queue:  # an unlocked peek: a request queued just after it waits one step
+            return
         while True:
             with self._lock:
                 if not self._queue:
@@ -335,20 +343,23 @@ class EngineService:
                     self._finish(r, "error", f"engine step failed: {e}")
             return
         now = time.monotonic()
-        sampled: dict[int, int] = {}
-        for i, slot in enumerate(step.logit_slots):
-            s = self.slots.slot(slot)
-            sampled[slot] = sample(logits[i], s.sampler, s.rng, s.history)
-        n_prompt_rows = plan.n_lanes - sum(1 for slot, rows in step.rows.items()
-                                           if rows == 1 and self.slots.slot(slot).n_pending == 1)
-        self._last_step = (plan.n_lanes - n_prompt_rows, n_prompt_rows)
-        self._counters["steps"] += 1
-        self._counters["prompt_tokens"] += n_prompt_rows
-        done = set(self.scheduler.commit(step, sampled))
-        for slot, tok in sampled.items():
-            r = self._by_slot.get(slot)
-            if r is not None:
-                self._on_token(r, tok, now, length_done=slot in done)
+        logit_slots = step.logit_slots
+        get_slot = self.slots.slot
+        ran = [get_slot(slot) for slot in logit_slots]
+        tokens = sample_rows(logits, [s.sampler for s in ran], [s.rng for s in ran],
+                             [s.history for s in ran])
+        sampled = dict(zip(logit_slots, tokens))
+        n_decode = step.n_decode_rows
+        n_prompt = plan.n_lanes - n_decode
+        done = self.scheduler.commit(step, sampled)
+        by_slot = self._by_slot
+        got = [(r, tok) for slot, tok in sampled.items() if (r := by_slot.get(slot)) is not None]
+        steps, prompt_total, generated, _, _ = self._counts
+        self._counts = (steps + 1, prompt_total + n_prompt, generated + len(got), n_decode, n_prompt)
+        # Every token is counted before any request finishes: finishing forgets the lane's rate.
+        self._rates.tokens(now, [r.slot for r, _ in got])
+        for r, tok in got:
+            self._on_token(r, tok, now, length_done=r.slot in done)
 
     def _retire_stalled(self) -> None:
         """Running slots with nothing left to compute (a request at its length limit)."""
@@ -358,22 +369,22 @@ class EngineService:
                 self._finish(r, "length")
 
     def _on_token(self, r: _Request, tok: int, now: float, *, length_done: bool) -> None:
+        """Stream one generated token of ``r`` (already counted in the rates) and finish the
+        request at EOS, a stop string or its length limit."""
         if not r.generated:
             r.t_first = now
             self._rates.ttft(now - r.t_submit)
         r.generated.append(tok)
         r.t_last = now
-        self._rates.token(now, r.slot)
-        self._counters["generation_tokens"] += 1
-        eos = tok == self.tokenizer.eos_id and not r.req.sampling.ignore_eos
-        for d in r.parser.feed(tok) if not eos else []:
+        if tok == self._eos_id and not r.req.sampling.ignore_eos:
+            self._flush_parser(r)
+            self._finish(r, "stop")
+            return
+        for d in r.parser.feed(tok):
             if not self._emit(r, d):
                 self._finish(r, "stop")
                 return
-        if eos:
-            self._flush_parser(r)
-            self._finish(r, "stop")
-        elif length_done:
+        if length_done:
             self._flush_parser(r)
             self._finish(r, "length")
 
@@ -383,7 +394,7 @@ class EngineService:
             text, stopped = r.stops.feed(d.text)
             if text:
                 r.content.append(text)
-                r.stream.push(Delta("content", text))
+                r.stream.push(d if text is d.text else Delta("content", text))
             return not stopped
         r.stream.push(d)
         return True
@@ -424,8 +435,7 @@ class EngineService:
                       queue_s=(r.t_admit or now) - r.t_submit, ttft_s=(r.t_first - r.t_submit) if r.t_first else 0.0,
                       prefill_s=first - (r.t_admit or first), decode_s=(r.t_last - r.t_first) if r.t_first else 0.0,
                       total_s=now - r.t_submit)
-        self._counters["finished"] += 1
-        self._counters[f"finished_{reason}"] += 1
+        self._finished[reason] += 1
         r.stream.push(Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
 
     def _remember_session(self, r: _Request, tokens: list[int]) -> None:
@@ -462,26 +472,26 @@ class EngineService:
         pool = PoolStats(n_pages=self.pool.n_pages, used=self.pool.n_used, reserved=self.pool.n_reserved,
                          free=self.pool.n_free, evictions=self.slots.n_evictions,
                          preemptions=self.slots.n_preemptions)
-        c = self._counters
+        steps, prompt_total, generated, decode_rows, prompt_rows = self._counts
         mem = getattr(self.runner, "memory_plan", None)
-        self._stats = StatsSnapshot(
+        snap = StatsSnapshot(
             time=time.time(), lanes=tuple(lanes), pool=pool, queue_len=len(queued),
             n_running=sum(1 for x in lanes if x.state in ("decode", "prefill")),
             agg_tok_s=self._rates.agg_rate(now), tok_s_history=self._rates.history(now),
-            ttft_recent=tuple(self._rates.ttfts), step_decode_rows=self._last_step[0],
-            step_prompt_rows=self._last_step[1], steps=c["steps"], prompt_tokens_total=c["prompt_tokens"],
-            generation_tokens_total=c["generation_tokens"], requests_finished=c["finished"],
+            ttft_recent=tuple(self._rates.ttfts), step_decode_rows=decode_rows,
+            step_prompt_rows=prompt_rows, steps=steps, prompt_tokens_total=prompt_total,
+            generation_tokens_total=generated, requests_finished=sum(self._finished.values()),
             backend=self.runner.backend, device=self.runner.device, model=self.model_name,
             memory=tuple(mem.sections.items()) if mem is not None else (), max_slots=self.max_slots,
-            max_ctx=self.max_ctx, finished_by_reason=tuple(sorted(
-                (k.removeprefix("finished_"), v) for k, v in c.items() if k.startswith("finished_"))))
+            max_ctx=self.max_ctx, finished_by_reason=tuple(sorted(self._finished.items())))
+        self._stats = snap
 
 
 class _Rates:
     """Token timestamps for tok/s figures: per lane, aggregate, and one point a second.
 
-    Stats are published after every step, so every query here is O(1) amortized: each deque
-    holds only the last WINDOW seconds and is trimmed as it is read or written.
+    Tokens are recorded every step and queried at every snapshot, so each call is O(1) amortized:
+    each deque holds only the last WINDOW seconds and is trimmed as it is read or written.
     """
 
     WINDOW = 5.0
@@ -497,15 +507,26 @@ class _Rates:
             d.popleft()
         return d
 
-    def token(self, now: float, slot: int | None) -> None:
-        self.recent.append(now)
-        self._trim(self.recent, now)
-        self._trim(self.lanes.setdefault(slot, collections.deque()), now).append(now)
+    def tokens(self, now: float, slots: list[int | None]) -> None:
+        """One step's tokens, all stamped ``now``: one per entry of ``slots`` (the lane of each)."""
+        if not slots:
+            return
+        recent = self.recent
+        recent.extend([now] * len(slots))
+        self._trim(recent, now)
+        lanes = self.lanes
+        for slot in slots:
+            d = lanes.get(slot)
+            if d is None:
+                lanes[slot] = d = collections.deque()
+            else:
+                self._trim(d, now)
+            d.append(now)
         sec = int(now)
         if self.per_second and self.per_second[-1][0] == sec:
-            self.per_second[-1] = (sec, self.per_second[-1][1] + 1)
+            self.per_second[-1] = (sec, self.per_second[-1][1] + len(slots))
         else:
-            self.per_second.append((sec, 1))
+            self.per_second.append((sec, len(slots)))
 
     def ttft(self, seconds: float) -> None:
         self.ttfts.append(seconds)
