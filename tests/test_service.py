@@ -233,3 +233,27 @@ def test_a_burst_fills_free_slots_before_the_queue_bound(tiny_model):
         with pytest.raises(QueueFull):
             svc.submit(chat("one too many", max_tokens=2))
         assert all(collect(s)[1].finish_reason == "length" for s in streams)
+
+
+def test_stats_step_counters_are_live_and_the_final_snapshot_is_exact(tiny_model):
+    """Full snapshots are published when the lanes change or every few ms; the step counters
+    are current on every read, and once the engine is idle the snapshot is exact."""
+    with make_service(tiny_model, max_slots=2) as svc:
+        long = svc.submit(chat(PROMPTS[0], max_tokens=600))
+        assert wait_until(lambda: any(lane.state == "decode" for lane in svc.stats().lanes))
+        s1 = svc.stats()
+        time.sleep(0.05)
+        s2 = svc.stats()
+        assert s2.steps > s1.steps and s2.generation_tokens_total > s1.generation_tokens_total
+        assert s2.lanes[0].position > s1.lanes[0].position  # a newer full snapshot, not only counters
+        short = [svc.submit(chat(p, max_tokens=n)) for p, n in ((PROMPTS[1], 5), (PROMPTS[2], 9))]
+        fins = [collect(s)[1] for s in short]
+        svc.cancel(long.request_id)
+        fins.append(collect(long)[1])
+        assert wait_until(lambda: not svc.stats().lanes)
+        st = svc.stats()
+    assert [f.finish_reason for f in fins] == ["length", "length", "cancelled"]
+    assert st.generation_tokens_total == sum(f.usage.completion_tokens for f in fins)
+    assert st.prompt_tokens_total == sum(f.usage.prompt_tokens for f in fins)
+    assert st.requests_finished == 3 and st.finished_by_reason == (("cancelled", 1), ("length", 2))
+    assert st.n_running == 0 and st.queue_len == 0 and st.pool.used == 0
