@@ -10,7 +10,7 @@ import time
 import pytest
 
 from ds4_app.engine.api import (ContextLengthExceeded, ExceedsPool, Finished, GenerationRequest,
-                                InvalidRequest, QueueFull)
+                                InvalidRequest, QueueFull, Usage)
 from ds4_app.engine.chat import Message
 from ds4_app.engine.sampling import SamplerConfig
 from ds4_app.engine.service import EngineService
@@ -257,3 +257,54 @@ def test_stats_step_counters_are_live_and_the_final_snapshot_is_exact(tiny_model
     assert st.prompt_tokens_total == sum(f.usage.prompt_tokens for f in fins)
     assert st.requests_finished == 3 and st.finished_by_reason == (("cancelled", 1), ("length", 2))
     assert st.n_running == 0 and st.queue_len == 0 and st.pool.used == 0
+
+
+def test_a_stream_pushed_without_wake_reaches_its_consumer_only_on_wake():
+    """The service queues a step's events with wake=False and wakes their consumers together;
+    the events are there at once for a reader that looks, and a sleeping reader wakes on wake()."""
+    import asyncio
+    import threading
+
+    from ds4_app.engine.chat import Delta
+    from ds4_app.engine.stream import EventStream
+
+    stream = EventStream("r")
+    got: list = []
+    reader = threading.Thread(target=lambda: got.extend(stream.events(timeout=10)))
+    reader.start()
+    time.sleep(0.05)  # the reader is asleep on the empty buffer
+    stream.push(Delta("content", "a"), wake=False)
+    time.sleep(0.05)
+    assert got == []  # not woken: nothing notified it
+    stream.wake()
+    assert wait_until(lambda: got == [Delta("content", "a")], timeout=5)
+    stream.push(Finished(finish_reason="stop", usage=Usage(1, 1)), wake=False)
+    stream.wake()
+    reader.join(5)
+    assert not reader.is_alive() and len(got) == 2
+
+    async def main() -> list:
+        s = EventStream("r2")
+        seen: list = []
+
+        async def consume() -> None:
+            async for ev in s:
+                seen.append(ev)
+
+        task = asyncio.ensure_future(consume())
+        await asyncio.sleep(0.02)
+        s.push(Delta("content", "b"), wake=False)
+        await asyncio.sleep(0.05)
+        assert seen == []
+        await asyncio.to_thread(s.wake)
+        for _ in range(100):
+            if seen:
+                break
+            await asyncio.sleep(0.01)
+        assert seen == [Delta("content", "b")]
+        s.push(Finished(finish_reason="stop", usage=Usage(1, 1)))
+        await asyncio.wait_for(task, 5)
+        return seen
+
+    evs = asyncio.run(main())
+    assert evs[0] == Delta("content", "b") and isinstance(evs[1], Finished)

@@ -9,9 +9,10 @@ behind is dropped (its request is cancelled with an error), not waited for.
 A step of the loop:
 1. retire cancelled requests (before any compute), then admit from the queue in FIFO order
    while slots and pages allow (a resident session resumes its parked slot);
-2. schedule (decoders + packed prompt rows), run the step on the runner, sample;
-3. stream the new text, finish requests at EOS / stop strings / max tokens, park the slots of
-   named sessions (they stay resident) and retire the others;
+2. schedule (decoders + packed prompt rows), wake the consumers of the last step's events (they
+   run while the native step holds no GIL), run the step on the runner, sample;
+3. queue the new text on each request's stream, finish requests at EOS / stop strings / max
+   tokens, park the slots of named sessions (they stay resident) and retire the others;
 4. publish a fresh stats snapshot when the set of lanes changed (admission, first token,
    finish, cancel, eviction, preemption, the queue) or STATS_INTERVAL has passed; the step
    counters are current on every read (see ``stats``).
@@ -112,6 +113,9 @@ class EngineService:
         self._stats_dirty = True  # the set of lanes changed since the last full snapshot
         self._next_stats = 0.0  # monotonic time when the next snapshot is due regardless
         self._published = (StatsSnapshot.empty(runner.backend, runner.device, model_name), self._counts)
+        # Streams with events pushed but their consumer not yet woken (see _wake_consumers).
+        self._wake_due: dict[EventStream, None] = {}
+        self._waker = _Waker()
         self._publish_stats()  # the pool, memory and limits are known before the first step
         self._thread = threading.Thread(target=self._run, name="ds4-engine", daemon=True)
         self._thread.start()
@@ -265,6 +269,8 @@ class EngineService:
                     self._apply_forget(forget)
                 self._admit()
                 self._step()
+                if not self._by_slot:  # no step follows at once: wake whoever has events now
+                    self._wake_consumers()
                 self._maybe_publish_stats()
         except Exception as e:  # noqa: BLE001 - a broken loop must fail every request, not hang them
             log.exception("engine loop failed")
@@ -273,6 +279,8 @@ class EngineService:
         finally:
             for r in list(self._live.values()):
                 self._finish(r, "error" if self._failed else "cancelled", self._failed)
+            self._wake_consumers()
+            self._waker.close()
             self._publish_stats()
 
     def _has_work(self) -> bool:
@@ -352,8 +360,10 @@ class EngineService:
                     self._queue.appendleft(r)
         if step.is_empty:
             self._retire_stalled()
+            self._wake_consumers()
             return
         plan = step.plan
+        self._wake_consumers()
         try:
             logits = self.runner.step(plan)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the others
@@ -416,9 +426,9 @@ class EngineService:
             text, stopped = r.stops.feed(d.text)
             if text:
                 r.content.append(text)
-                r.stream.push(d if text is d.text else Delta("content", text))
+                self._push(r, d if text is d.text else Delta("content", text))
             return not stopped
-        r.stream.push(d)
+        self._push(r, d)
         return True
 
     def _flush_parser(self, r: _Request) -> None:
@@ -428,7 +438,7 @@ class EngineService:
         tail = r.stops.flush()
         if tail:
             r.content.append(tail)
-            r.stream.push(Delta("content", tail))
+            self._push(r, Delta("content", tail))
 
     def _finish(self, r: _Request, reason: str, error: str | None = None) -> None:
         """End a request: free or park its slot, send the Finished event (exactly once)."""
@@ -459,7 +469,27 @@ class EngineService:
                       prefill_s=first - (r.t_admit or first), decode_s=(r.t_last - r.t_first) if r.t_first else 0.0,
                       total_s=now - r.t_submit)
         self._finished[reason] += 1
-        r.stream.push(Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
+        self._push(r, Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
+
+    def _push(self, r: _Request, ev: Delta | Finished) -> None:
+        r.stream.push(ev, wake=False)
+        self._wake_due[r.stream] = None
+
+    def _wake_consumers(self) -> None:
+        """Wake the consumers of the events pushed since the last call.
+
+        Called just before the native step (which releases the GIL) or when no step follows.
+        A consumer woken earlier would wait for the GIL, take it at the engine thread's next
+        release (a numpy call) and make the engine thread wait until it is done: measured
+        ~40 µs of a C6 step on the 2-core machine. Woken here, it runs during the native step.
+        """
+        if self._wake_due:
+            due, self._wake_due = self._wake_due, {}
+            if len(due) == 1 or self._stopping:
+                for stream in due:
+                    stream.wake()
+            else:
+                self._waker.wake(list(due))
 
     def _remember_session(self, r: _Request, tokens: list[int]) -> None:
         """Keep the turn's tokens for the session's next turn, unless a stop string cut the reply
@@ -519,6 +549,45 @@ class EngineService:
             memory=tuple(mem.sections.items()) if mem is not None else (), max_slots=self.max_slots,
             max_ctx=self.max_ctx, finished_by_reason=tuple(sorted(self._finished.items())))
         self._published = (snap, counts)
+
+
+class _Waker:
+    """A thread that wakes the consumers of a step's streams for the engine thread.
+
+    Waking a sleeping thread costs the waker about 10 µs on the 2-core machine (the woken
+    thread preempts it, then blocks on the GIL); the engine thread pays that once here instead
+    of once per stream, and this thread does the rest while the native step runs.
+    """
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition(threading.Lock())
+        self._due: list[EventStream] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="ds4-waker", daemon=True)
+        self._thread.start()
+
+    def wake(self, streams: list[EventStream]) -> None:
+        with self._cond:
+            self._due.extend(streams)
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wake what is still due, then stop the thread."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._due and not self._closed:
+                    self._cond.wait()
+                due, self._due = self._due, []
+            for stream in due:
+                stream.wake()
+            if not due:
+                return
 
 
 class _Rates:

@@ -34,8 +34,14 @@ class EventStream:
         self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Event]] = []
 
     # --- producer side (never blocks) ---
-    def push(self, ev: Event) -> None:
-        """Queue an event; after a Finished, later pushes are ignored."""
+    def push(self, ev: Event, *, wake: bool = True) -> None:
+        """Queue an event; after a Finished, later pushes are ignored.
+
+        ``wake=False`` leaves the consumer asleep until the producer calls ``wake``: the service
+        queues a whole step's events first and wakes their consumers together just before it
+        releases the GIL for the next native step, so that they do not take the GIL from it
+        (and make it wait for them) in the middle of its own Python work.
+        """
         overflow = False
         with self._cond:
             if self._done:
@@ -46,11 +52,19 @@ class EventStream:
             else:
                 self._buf.append(ev)
                 self._done = final
-            # One pass under the lock the append took (this runs once per token per request).
-            self._cond.notify_all()
-            waiters = list(self._waiters) if self._waiters else ()
+            if wake:  # under the lock the append took (this runs once per token per request)
+                self._cond.notify_all()
+                waiters = list(self._waiters) if self._waiters else ()
         if overflow and self._on_overflow is not None:
             self._on_overflow(self.request_id)
+        if wake:
+            self._wake_async(waiters)
+
+    def wake(self) -> None:
+        """Wake the consumer for the events pushed with ``wake=False``."""
+        with self._cond:
+            self._cond.notify_all()
+            waiters = list(self._waiters) if self._waiters else ()
         self._wake_async(waiters)
 
     def fail(self, error: ServiceError) -> None:
