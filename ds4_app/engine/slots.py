@@ -141,6 +141,9 @@ class SlotManager:
         # Every slot's block table as the engine takes it (-1 where unassigned), kept beside the
         # Slot.block_table lists by grow and retire, so a step's tables are one gather.
         self._tables = np.full((max_slots, self.max_pages), -1, dtype=np.int32)
+        # running() in order, rebuilt only after admit / park / resume / retire change the set
+        # (the scheduler asks every step; nothing else moves a slot in or out of RUNNING).
+        self._running_cache: list[Slot] | None = None
         self._tick = 0
         self.n_evictions = 0
         self.n_preemptions = 0
@@ -158,9 +161,11 @@ class SlotManager:
         return s
 
     def running(self) -> list[Slot]:
-        """Running slots, oldest admission first."""
-        return sorted((s for s in self._slots if s and s.state is SlotState.RUNNING),
-                      key=lambda s: s.order)
+        """Running slots, oldest admission first (a new list)."""
+        if self._running_cache is None:
+            self._running_cache = sorted((s for s in self._slots if s and s.state is SlotState.RUNNING),
+                                   key=lambda s: s.order)
+        return list(self._running_cache)
 
     def idle(self) -> list[Slot]:
         """Parked slots, least recently used first."""
@@ -207,6 +212,7 @@ class SlotManager:
         self._top_up_decoders()
         index = self._slots.index(None)
         self._tick += 1
+        self._running_cache = None
         self._slots[index] = Slot(
             index=index, request_id=request_id, tokens=[int(t) for t in prompt_tokens],
             handle=self.pool.acquire(want), sampler=sampler,
@@ -223,6 +229,7 @@ class SlotManager:
         self.pool.unreserve(s.handle)
         self._tick += 1
         s.state, s.session_id = SlotState.IDLE, session_id
+        self._running_cache = None
         s.last_used, s.last_tick = time.monotonic(), self._tick
 
     def resume(self, slot: int, new_tokens: Sequence[int], request_id: str, sampler: SamplerConfig,
@@ -245,6 +252,7 @@ class SlotManager:
         s.request_id, s.sampler, s.rng = request_id, sampler, np.random.default_rng(sampler.seed)
         s.prompt_len, s.max_len = new_len, max_len
         s.state, s.order = SlotState.RUNNING, self._tick
+        self._running_cache = None
 
     # ---- pages ----------------------------------------------------------------------------
     def grow(self, slot: int, new_len: int) -> list[int]:
@@ -301,6 +309,7 @@ class SlotManager:
         self.pool.release(s.handle)
         self._slots[slot] = None
         self._tables[slot] = -1
+        self._running_cache = None
 
     def evict_lru(self) -> str | None:
         """Retire the least recently used parked slot; returns its session id (None if none)."""
