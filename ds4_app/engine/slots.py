@@ -286,7 +286,16 @@ class SlotManager:
         """``ensure_decode_headroom`` for slots given oldest first (as ``running()`` lists them),
         skipping the work that changes nothing: the scheduler calls this every step."""
         pool, max_ctx, max_pages = self.pool, self.max_ctx, self.max_pages
-        held = [pool.held(s.handle) for s in cohort]
+        held: list[int] = []
+        short = False
+        for s in cohort:
+            h = pool.held(s.handle)
+            held.append(h)
+            # Holding the headroom target (pages for every token + 1) covers the pending token
+            # too; in steady decoding every slot does, and nothing below would move.
+            short = short or h < min(pages_for(len(s.tokens)) + 1, max_pages)
+        if not short:
+            return True
         now = [max(0, pages_for(min(len(s.tokens), max_ctx)) - h) for s, h in zip(cohort, held)]
         if sum(now) > pool.n_free:
             return False
