@@ -207,9 +207,9 @@ def sample_rows(logits: np.ndarray, cfgs: Sequence[SamplerConfig], rngs: Sequenc
     if not plain or logits.dtype != np.float32 or logits.shape[1] == 0:
         return [sample(logits[i], cfgs[i], rngs[i], histories[i]) for i in range(n)]
     if len(plain) == n:
-        return np.argmax(logits, axis=1).tolist()
+        return logits.argmax(axis=1).tolist()  # the method: np.argmax only adds a Python wrapper
     out: list[int] = [0] * n
-    for i, tok in zip(plain, np.argmax(logits[plain], axis=1).tolist()):
+    for i, tok in zip(plain, logits[plain].argmax(axis=1).tolist()):
         out[i] = tok
     plain_set = set(plain)
     for i in range(n):
