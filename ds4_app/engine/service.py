@@ -472,6 +472,7 @@ class EngineService:
         self._push(r, Finished(finish_reason=reason, usage=usage, tokens=tuple(r.generated), error=error))
 
     def _push(self, r: _Request, ev: Delta | Finished) -> None:
+        """Queue an event on the request's stream; its consumer is woken by _wake_consumers."""
         r.stream.push(ev, wake=False)
         self._wake_due[r.stream] = None
 
@@ -567,6 +568,7 @@ class _Waker:
         self._thread.start()
 
     def wake(self, streams: list[EventStream]) -> None:
+        """Have ``stream.wake()`` called for each of ``streams`` on this thread, in order."""
         with self._cond:
             self._due.extend(streams)
             self._cond.notify()
