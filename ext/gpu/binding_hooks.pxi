@@ -15,7 +15,11 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
                                                 float* Y, int64_t ldy, cbool tall, int staged_min) except +
     void gpu_matvec_grouped "ds4::gpu::testing::matvec_grouped"(
         const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
-        const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy) except +
+        const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols) except +
+    void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
+    void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
+                                                                int ncols, float* Y, cbool tall,
+                                                                int staged_min) except +
     void gpu_rms_norm "ds4::gpu::testing::rms_norm"(const float* X, const float* w, float* Y, int n_rows,
                                                     int64_t n, float eps) except +
     void gpu_embed_rows "ds4::gpu::testing::embed_rows"(const TensorView& E, const int32_t* tokens, int n,
@@ -72,8 +76,9 @@ def _t_gpu_matmul(int ggml_type, raw, int64_t ne0, int64_t ne1, X, tall=False, s
 
 
 def _t_gpu_matmul_grouped(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t n_expert, X, pair_expert, x_row,
-                          int max_part):
-    """Y[p] = W[pair_expert[p]] . X[x_row[p]] through the device planner and the grouped kernel."""
+                          int max_part, int max_cols=8):
+    """Y[p] = W[pair_expert[p]] . X[x_row[p]] through the device planner and the grouped kernel
+    (max_cols: the widest piece of a part the kernel runs at once; the bits never depend on it)."""
     keep = []
     cdef TensorView W = _weights_view(ggml_type, raw, ne0, ne1, n_expert, keep)
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -91,8 +96,36 @@ def _t_gpu_matmul_grouped(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t 
     cdef float[:, ::1] yv = y
     cdef int64_t x_rows = x.shape[0]
     with nogil:
-        gpu_matvec_grouped(W, &xv[0, 0], x_rows, ne0, &pev[0], &xrv[0], n_pairs, max_part, &yv[0, 0], ne1)
+        gpu_matvec_grouped(W, &xv[0, 0], x_rows, ne0, &pev[0], &xrv[0], n_pairs, max_part, &yv[0, 0], ne1,
+                           max_cols)
     return y
+
+
+def _t_gpu_matmul_batched(int ggml_type, raw, int64_t ne0, int64_t ne1, int n_batch, X, tall=False, staged=None):
+    """n_batch equal products in one launch: W [ne1 rows of ne0] cut into n_batch row groups, X
+    [ncols, n_batch * ne0] (group i reads its columns' elements [i * ne0, (i + 1) * ne0)); returns
+    [ncols, ne1] in group order. staged as in _t_gpu_matmul."""
+    keep = []
+    cdef TensorView W = _weights_view(ggml_type, raw, ne0, ne1, 1, keep)
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != ne0 * n_batch or n_batch < 1 or ne1 % n_batch:
+        raise ValueError(f"X must be [ncols, {ne0 * n_batch}] and {ne1} rows must split into {n_batch}")
+    cdef int ncols = x.shape[0]
+    y = np.zeros((ncols, ne1), dtype=np.float32)
+    if ncols == 0:
+        return y
+    cdef const float[:, ::1] xv = x
+    cdef float[:, ::1] yv = y
+    cdef cbool t = bool(tall)
+    cdef int staged_min = 2 if staged is None else (1 if staged else 1 << 30)
+    with nogil:
+        gpu_matvec_batched(W, n_batch, &xv[0, 0], ncols, &yv[0, 0], t, staged_min)
+    return y
+
+
+def _t_gpu_set_matvec_chunked(on):
+    """Turn the Q8_0/Q4_K chunked weight loads on or off, process-wide (the bits never change)."""
+    gpu_set_matvec_chunked(bool(on))
 
 
 def _t_gpu_rms_norm(X, w, float eps):
@@ -202,6 +235,8 @@ def _t_gpu_argmax(X):
 _GPU_TESTING = dict(
     gpu_matmul=_t_gpu_matmul,
     gpu_matmul_grouped=_t_gpu_matmul_grouped,
+    gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
+    gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,
     gpu_rope_tail=_t_gpu_rope_tail,

@@ -58,6 +58,12 @@ std::string device_name();
 // kMatvecStagedOff: never.
 void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
             bool tall = false, int staged_min = kMatvecStagedMin);
+// n_batch equally shaped products in one launch: member i is matvec(W shifted by i *
+// w_stride_bytes, X + i * x_stride, Y + i * y_stride) (x_stride a multiple of 4), each member's
+// rows computed exactly as their own launch would (the grouped output projection's groups).
+void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
+                    int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall = false,
+                    int staged_min = kMatvecStagedMin);
 // Reads the device's limits for the staged kernel and raises its shared-memory attribute; matvec
 // calls it on first use, but a caller that captures graphs calls it before the first capture.
 void matvec_prepare();
@@ -70,10 +76,17 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
 
 // Expert-grouped product over a 3-D stack W [K, rows, n_expert]: for every pair p listed in the
 // parts, Y[p * ldy + r] = W[expert(p)][r] . X[x_row[p] * ldx] (x_row null: row p). max_parts
-// bounds *n_parts (the launch is sized for it, so a captured graph stays valid).
+// bounds *n_parts (the launch is sized for it, so a captured graph stays valid). max_cols: the
+// widest part the kernel runs at once (a speed choice; wider parts run in pieces, same bits): the
+// engine passes its lane count, which bounds a part's width when no lane routes twice to one expert.
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream);
+                    int64_t ldy, Stream stream, int max_cols = 8);
+
+// Q8_0 and Q4_K products load their weights as coalesced chunks through shared memory where the
+// matrix allows (on by default; DS4_GPU_MV_CHUNKED=0 turns it off): false sends them to the
+// unit-by-unit loads, which give the same bits (for tests and benches; process-wide).
+void set_matvec_chunked(bool on);
 
 // Y[i] = X[i] * rsqrt(mean(X[i]^2) + eps) * w (w may be null), rows i < n_rows of n elements; the
 // sum of squares in double, as the CPU does.
@@ -105,7 +118,14 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
             int staged_min = kMatvecStagedMin);
 // pair p: expert pair_expert[p], activation row x_row[p] of X (x_rows rows); Y[p] out.
 void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
-                    const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy);
+                    const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols = 8);
+// matvec_batched over host buffers, as the engine's grouped output projection uses it: W.ne =
+// [K, n_batch * rows], member i its rows [i * rows, (i + 1) * rows); X [ncols][n_batch * K], member
+// i reads elements [i * K, (i + 1) * K) of each column; Y [ncols][n_batch * rows] in member order.
+void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols, float* Y, bool tall,
+                    int staged_min);
+// ds4::gpu::set_matvec_chunked, for the binding.
+void set_matvec_chunked(bool on);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
 void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
@@ -131,9 +151,11 @@ inline void matvec(const TensorView&, const float*, int, int64_t, float*, int64_
   no_backend();
 }
 inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, const int32_t*, const int32_t*, int, int,
-                           float*, int64_t) {
+                           float*, int64_t, int = 8) {
   no_backend();
 }
+inline void set_matvec_chunked(bool) { no_backend(); }
+inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
 inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }
 inline void rope_tail(float*, int, int, int, int, const int32_t*, const double*, bool) { no_backend(); }

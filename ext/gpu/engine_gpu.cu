@@ -584,13 +584,12 @@ void GpuEngine::Impl::attention_layer(int l) {
 
   // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
   // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
+  // The G groups run as one batched launch (each group's rows as its own launch computes them).
   const int64_t G = cfg.o_groups, ol = cfg.o_lora_rank, gw = nh / G * hd;
-  for (int64_t g = 0; g < G; ++g) {
-    TensorView part = L.wo_a;
-    part.ne[1] = ol;
-    part.data = L.wo_a.data + g * ol * L.wo_a.row_bytes();
-    mv(part, attn_out + g * gw, n, nh * hd, o_low + g * ol, G * ol);
-  }
+  TensorView part = L.wo_a;
+  part.ne[1] = ol;
+  matvec_batched(part, static_cast<int>(G), ol * L.wo_a.row_bytes(), attn_out, gw, n, nh * hd, o_low, ol, G * ol,
+                 stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
   mv(L.wo_b, o_low, n, G * ol, y, d);
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
 }
@@ -608,10 +607,14 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // single-column arithmetic, whatever else the expert serves.
   const int n_pairs = n * K;
   build_expert_parts(sel_id, n_pairs, E, kExpertPart, sorted_pairs, parts, n_parts, stream);
-  matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream);
-  matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream);
+  // A part holds at most one pair per lane (routes are distinct per lane), so n lanes bound its
+  // width: the kernel is sized for that (wider parts would still run, in pieces).
+  const int part_cols = std::min<int>(n, kExpertPart);
+  matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream, part_cols);
+  matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream, part_cols);
   swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
-  matvec_grouped(L.down_exps, parts, n_parts, n_pairs, sorted_pairs, nullptr, ex_gate, F, ex_down, d, stream);
+  matvec_grouped(L.down_exps, parts, n_parts, n_pairs, sorted_pairs, nullptr, ex_gate, F, ex_down, d, stream,
+                 part_cols);
   const bool shared = cfg.n_expert_shared == 1;
   if (shared) {
     mv(L.gate_sh, u, n, d, sh_gate, F);

@@ -9,6 +9,8 @@
 // Bytes: 4 * n_pairs in, 4 * n_pairs + 12 * parts out; O(n_pairs^2) compares, negligible below a
 // few thousand pairs.
 #include <algorithm>
+#include <atomic>
+#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
@@ -56,6 +58,26 @@ void check_activations(const float* X, int64_t ldx, const char* who) {
     throw std::invalid_argument(std::string(who) + ": activations must be 16-byte aligned with ldx a multiple of 4");
 }
 
+// The chunked weight loads (matvec.cuh) where a matrix allows them; set_matvec_chunked(false)
+// (tests, benches) or DS4_GPU_MV_CHUNKED=0 sends every product to the unit-by-unit loads, which
+// give the same bits.
+std::atomic<int> g_chunked{-1};  // -1: not read from the environment yet
+
+bool chunked_on() {
+  int v = g_chunked.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_MV_CHUNKED");
+    v = (e != nullptr && std::string(e) == "0") ? 0 : 1;
+    g_chunked.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+template <int T>
+bool use_chunks(const TensorView& W, int64_t units) {
+  return chunk_fits<T>(units, W.row_bytes()) && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 && chunked_on();
+}
+
 // Types the tall variant is built for: the tall dense matrices of DS4 GGUFs (q_b, the LM head)
 // are Q8_0, or F16/BF16 in unquantized files. The others never take it (instantiating it for
 // them would only add compile time).
@@ -64,42 +86,45 @@ constexpr bool kTallType = T == kQ8_0 || T == kF16 || T == kBF16;
 
 template <int T, int NC>
 void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
-                     bool tall, cudaStream_t s) {
+                     bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
+  const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
   if constexpr (kTallType<T>) {
     if (tall && rows >= kTallRows) {
       const int64_t br = 2 * matvec_block_rows(NC, ks);
-      matvec_dense_kernel<T, NC, true><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
-          W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
+      const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
+      matvec_dense_kernel<T, NC, true><<<grid, kMatvecThreads, 0, s>>>(W.data, W.row_bytes(), rows, units, ks, X,
+                                                                        ldx, Y, ldy, chunks, batch);
       return;
     }
   }
   const int64_t br = matvec_block_rows(NC, ks);
-  matvec_dense_kernel<T, NC, false><<<static_cast<unsigned>((rows + br - 1) / br), kMatvecThreads, 0, s>>>(
-      W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy);
+  const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
+  matvec_dense_kernel<T, NC, false><<<grid, kMatvecThreads, 0, s>>>(W.data, W.row_bytes(), rows, units, ks, X, ldx,
+                                                                     Y, ldy, chunks, batch);
 }
 
 template <int T>
 void launch_dense(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
-                  bool tall, cudaStream_t s) {
+                  bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   switch (nc) {
-    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, tall, s); break;
-    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, tall, s); break;
+    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
     default: throw std::invalid_argument("GPU matvec: a chunk has 1..16 columns");
   }
 }
@@ -195,39 +220,42 @@ int staged_blocks_per_sm(const StagedFn& f, size_t dyn) {
 
 template <int T, int NC>
 void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
-                      cudaStream_t s) {
+                      int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   const int64_t rows = W.ne[1], K = W.ne[0];
   const int ks = matvec_kslices(rows, units);
-  const size_t dyn = static_cast<size_t>(NC) * static_cast<size_t>(staged_col4(K)) * 16;
+  const size_t dyn = static_cast<size_t>(NC) * static_cast<size_t>(staged_col4(K)) * 16 + staged_wbuf_bytes<T>();
   const StagedFn& f = g_staged.fns.at(staged_fn_ptr<T, NC>());
   const int64_t br = static_cast<int64_t>(kStagedRows) * (kStagedWarps / ks);
   const int64_t n_blocks = (rows + br - 1) / br;
-  const int64_t grid = std::min<int64_t>(n_blocks, static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn));
-  matvec_staged_kernel<T, NC><<<static_cast<unsigned>(grid), kStagedThreads, dyn, s>>>(
-      W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy);
+  // A persistent grid over the members' row blocks: each member gets its share of the GPU.
+  const int64_t resident = static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn);
+  const int64_t grid = std::min<int64_t>(n_blocks, std::max<int64_t>(1, resident / n_batch));
+  const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
+  matvec_staged_kernel<T, NC><<<dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)), kStagedThreads, dyn,
+                                s>>>(W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
 }
 
 template <int T>
 void launch_staged(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
-                   cudaStream_t s) {
+                   int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   if constexpr (kStagedType<T>) {
     switch (nc) {
-      case 1: launch_staged_nc<T, 1>(W, units, X, ldx, Y, ldy, s); break;
-      case 2: launch_staged_nc<T, 2>(W, units, X, ldx, Y, ldy, s); break;
-      case 3: launch_staged_nc<T, 3>(W, units, X, ldx, Y, ldy, s); break;
-      case 4: launch_staged_nc<T, 4>(W, units, X, ldx, Y, ldy, s); break;
-      case 5: launch_staged_nc<T, 5>(W, units, X, ldx, Y, ldy, s); break;
-      case 6: launch_staged_nc<T, 6>(W, units, X, ldx, Y, ldy, s); break;
-      case 7: launch_staged_nc<T, 7>(W, units, X, ldx, Y, ldy, s); break;
-      case 8: launch_staged_nc<T, 8>(W, units, X, ldx, Y, ldy, s); break;
-      case 9: launch_staged_nc<T, 9>(W, units, X, ldx, Y, ldy, s); break;
-      case 10: launch_staged_nc<T, 10>(W, units, X, ldx, Y, ldy, s); break;
-      case 11: launch_staged_nc<T, 11>(W, units, X, ldx, Y, ldy, s); break;
-      case 12: launch_staged_nc<T, 12>(W, units, X, ldx, Y, ldy, s); break;
-      case 13: launch_staged_nc<T, 13>(W, units, X, ldx, Y, ldy, s); break;
-      case 14: launch_staged_nc<T, 14>(W, units, X, ldx, Y, ldy, s); break;
-      case 15: launch_staged_nc<T, 15>(W, units, X, ldx, Y, ldy, s); break;
-      case 16: launch_staged_nc<T, 16>(W, units, X, ldx, Y, ldy, s); break;
+      case 1: launch_staged_nc<T, 1>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 2: launch_staged_nc<T, 2>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 3: launch_staged_nc<T, 3>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 4: launch_staged_nc<T, 4>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 5: launch_staged_nc<T, 5>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 6: launch_staged_nc<T, 6>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 7: launch_staged_nc<T, 7>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 8: launch_staged_nc<T, 8>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 9: launch_staged_nc<T, 9>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 10: launch_staged_nc<T, 10>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 11: launch_staged_nc<T, 11>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 12: launch_staged_nc<T, 12>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 13: launch_staged_nc<T, 13>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 14: launch_staged_nc<T, 14>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 15: launch_staged_nc<T, 15>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 16: launch_staged_nc<T, 16>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
       default: throw std::invalid_argument("GPU matvec: a staged piece has 1..16 columns");
     }
   } else {
@@ -239,56 +267,101 @@ void launch_staged(const TensorView& W, int64_t units, const float* X, int nc, i
 // shared memory; each piece reads the weights again, so more than kMaxStagedPieces is left to the
 // direct kernel); 0: this product stays on the direct kernel.
 constexpr int kMaxStagedPieces = 4;
+size_t staged_wbuf_bytes_of(DType t) {
+  switch (t) {
+    case DType::Q8_0: return staged_wbuf_bytes<kQ8_0>();
+    case DType::Q4_K: return staged_wbuf_bytes<kQ4_K>();
+    default: return 0;
+  }
+}
 int staged_pieces(const TensorView& W, int nc, int staged_min) {
   if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < kStagedMinRows) return 0;
   matvec_prepare();
   const size_t per_col = static_cast<size_t>(staged_col4(W.ne[0])) * 16;
-  const size_t fit = g_staged.dyn_limit / per_col;
+  const size_t wbuf = staged_wbuf_bytes_of(W.type);
+  if (g_staged.dyn_limit <= wbuf) return 0;
+  const size_t fit = (g_staged.dyn_limit - wbuf) / per_col;
   if (fit == 0) return 0;
   const int pieces = static_cast<int>((static_cast<size_t>(nc) + fit - 1) / fit);
   return pieces <= kMaxStagedPieces ? pieces : 0;
 }
 
-template <int T>
-void launch_grouped(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
-                    const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, cudaStream_t s) {
+template <int T, int MAXC>
+void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts,
+                         int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
+                         float* Y, int64_t ldy, cudaStream_t s) {
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   // Sized for the narrowest block (most blocks); wider parts leave their extra blocks idle.
-  const int64_t block_rows = std::min(matvec_block_rows(1, ks), matvec_block_rows(kMaxPartCols, ks));
+  const int64_t block_rows = std::min(matvec_block_rows(1, ks), matvec_block_rows(MAXC, ks));
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
-  matvec_grouped_kernel<T><<<grid, kMatvecThreads, 0, s>>>(
+  matvec_grouped_kernel<T, MAXC><<<grid, kMatvecThreads, 0, s>>>(
       W.data, W.row_bytes() * rows, W.row_bytes(), rows, units, ks, reinterpret_cast<const ExpertPartDev*>(parts),
-      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy);
+      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units));
 }
 
-__global__ void build_parts_kernel(const int32_t* __restrict__ pair_expert, int n_pairs, int n_expert, int max_part,
-                                   int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts,
-                                   int32_t* __restrict__ n_parts) {
+template <int T>
+void launch_grouped(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
+                    int max_cols, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
+                    float* Y, int64_t ldy, cudaStream_t s) {
+  if (max_cols <= 1)
+    launch_grouped_maxc<T, 1>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+  else if (max_cols <= 2)
+    launch_grouped_maxc<T, 2>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+  else if (max_cols <= 4)
+    launch_grouped_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+  else
+    launch_grouped_maxc<T, kMaxPartCols>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+}
+
+constexpr int kPartsThreads = 256;
+
+__global__ void __launch_bounds__(kPartsThreads)
+    build_parts_kernel(const int32_t* __restrict__ pair_expert, int n_pairs, int n_expert, int max_part,
+                       int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts, int32_t* __restrict__ n_parts) {
   extern __shared__ int32_t sm[];
   int32_t* cnt = sm;                  // [n_expert] pairs per expert
   int32_t* less = sm + n_expert;      // [n_expert] pairs with a smaller expert
   int32_t* pbefore = less + n_expert;  // [n_expert] parts of smaller experts
-  for (int e = threadIdx.x; e < n_expert; e += blockDim.x) cnt[e] = 0;
+  __shared__ int32_t run_pairs[kPartsThreads], run_parts[kPartsThreads];
+  const int t = static_cast<int>(threadIdx.x);
+  for (int e = t; e < n_expert; e += kPartsThreads) cnt[e] = 0;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+  for (int p = t; p < n_pairs; p += kPartsThreads) {
     const int e = pair_expert[p];
     if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int32_t below = 0, pb = 0;
-    for (int e = 0; e < n_expert; ++e) {
-      less[e] = below;
-      pbefore[e] = pb;
-      below += cnt[e];
-      pb += (cnt[e] + max_part - 1) / max_part;
-    }
-    *n_parts = pb;
+  // Exclusive prefix sums of the pair and part counts over the experts: each thread sums its own
+  // run of experts, a scan over the threads' totals (integers: exact in any order) gives each run's
+  // start, and the thread walks its run again writing the starts.
+  const int per = (n_expert + kPartsThreads - 1) / kPartsThreads;
+  const int e0 = t * per, e1 = min(n_expert, e0 + per);
+  int32_t my_pairs = 0, my_parts = 0;
+  for (int e = e0; e < e1; ++e) {
+    my_pairs += cnt[e];
+    my_parts += (cnt[e] + max_part - 1) / max_part;
   }
+  run_pairs[t] = my_pairs;
+  run_parts[t] = my_parts;
   __syncthreads();
-  for (int p = threadIdx.x; p < n_pairs; p += blockDim.x) {
+  for (int off = 1; off < kPartsThreads; off <<= 1) {
+    const int32_t a = t >= off ? run_pairs[t - off] : 0, b = t >= off ? run_parts[t - off] : 0;
+    __syncthreads();
+    run_pairs[t] += a;
+    run_parts[t] += b;
+    __syncthreads();
+  }
+  int32_t below = run_pairs[t] - my_pairs, pb = run_parts[t] - my_parts;
+  for (int e = e0; e < e1; ++e) {
+    less[e] = below;
+    pbefore[e] = pb;
+    below += cnt[e];
+    pb += (cnt[e] + max_part - 1) / max_part;
+  }
+  if (t == kPartsThreads - 1) *n_parts = run_parts[t];
+  __syncthreads();
+  for (int p = t; p < n_pairs; p += kPartsThreads) {
     const int e = pair_expert[p];
     if (e < 0 || e >= n_expert) continue;  // an invalid route is left out of every part
     int before = 0;
@@ -313,10 +386,20 @@ void matvec_prepare() {
 
 void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
             bool tall, int staged_min) {
+  matvec_batched(W, 1, 0, X, 0, ncols, ldx, Y, 0, ldy, stream, tall, staged_min);
+}
+
+void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
+                    int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall,
+                    int staged_min) {
   if (ncols < 0) throw std::invalid_argument("GPU matvec: negative column count");
+  if (n_batch < 1 || n_batch > 65535) throw std::invalid_argument("GPU matvec: a batch has 1..65535 members");
+  if (x_stride % 4 != 0 || w_stride_bytes < 0)
+    throw std::invalid_argument("GPU matvec: batch strides must keep the activations 16-byte aligned");
   const int64_t units = check_weights(W, "GPU matvec");
   check_activations(X, ldx, "GPU matvec");
   if (ncols == 0 || W.ne[1] == 0) return;
+  const MatvecBatch batch{w_stride_bytes, x_stride, y_stride};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // Wider products run as 16-column chunks: each column is still single-column arithmetic.
   for (int c0 = 0; c0 < ncols; c0 += kMaxCols) {
@@ -331,11 +414,11 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
         const float* Xp = Xc + static_cast<int64_t>(p0) * ldx;
         float* Yp = Yc + static_cast<int64_t>(p0) * ldy;
         switch (W.type) {
-          case DType::F16: launch_staged<kF16>(W, units, Xp, w, ldx, Yp, ldy, s); break;
-          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, ldx, Yp, ldy, s); break;
-          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, ldx, Yp, ldy, s); break;
-          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, ldx, Yp, ldy, s); break;
-          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, ldx, Yp, ldy, s); break;
+          case DType::F16: launch_staged<kF16>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
+          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
+          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
+          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
+          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
           default: throw std::invalid_argument("GPU matvec: unsupported weight type");
         }
         DS4_GPU_CHECK_LAUNCH("matvec_staged_kernel");
@@ -344,12 +427,12 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
       continue;
     }
     switch (W.type) {
-      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
-      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
-      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
-      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
-      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
-      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, ldx, Yc, ldy, tall, s); break;
+      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
+      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
+      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
+      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
+      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
+      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
       default: throw std::invalid_argument("GPU matvec: unsupported weight type");
     }
     DS4_GPU_CHECK_LAUNCH("matvec_dense_kernel");
@@ -362,26 +445,28 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   if (n_pairs < 0 || n_expert < 1 || n_expert > 4096)
     throw std::invalid_argument("build_expert_parts: need n_pairs >= 0 and 1..4096 experts");
   const size_t smem = 3 * static_cast<size_t>(n_expert) * sizeof(int32_t);
-  build_parts_kernel<<<1, 256, smem, static_cast<cudaStream_t>(stream)>>>(
+  build_parts_kernel<<<1, kPartsThreads, smem, static_cast<cudaStream_t>(stream)>>>(
       pair_expert, n_pairs, n_expert, max_part, sorted_pairs, reinterpret_cast<ExpertPartDev*>(parts), n_parts);
   DS4_GPU_CHECK_LAUNCH("build_parts_kernel");
 }
 
+void set_matvec_chunked(bool on) { g_chunked.store(on ? 1 : 0, std::memory_order_relaxed); }
+
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream) {
+                    int64_t ldy, Stream stream, int max_cols) {
   const int64_t units = check_weights(W, "GPU grouped matvec");
   check_activations(X, ldx, "GPU grouped matvec");
   if (max_parts < 0 || max_parts > 65535) throw std::invalid_argument("GPU grouped matvec: max_parts must be 0..65535");
   if (max_parts == 0 || W.ne[1] == 0) return;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (W.type) {
-    case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::F16: launch_grouped<kF16>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::BF16: launch_grouped<kBF16>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::Q8_0: launch_grouped<kQ8_0>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::Q4_K: launch_grouped<kQ4_K>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::MXFP4: launch_grouped<kMXFP4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::F16: launch_grouped<kF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::BF16: launch_grouped<kBF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::Q8_0: launch_grouped<kQ8_0>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::Q4_K: launch_grouped<kQ4_K>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::MXFP4: launch_grouped<kMXFP4>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
     default: throw std::invalid_argument("GPU grouped matvec: unsupported weight type");
   }
   DS4_GPU_CHECK_LAUNCH("matvec_grouped_kernel");

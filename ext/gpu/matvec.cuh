@@ -59,12 +59,20 @@ constexpr int64_t kTallRows = 16384;
 // loaded bytes), load(raw, row, u), decode(raw, g, w[4]) and k_of(u, g), the row index of the
 // first of the 4 elements of group g (elements of a group are consecutive in k).
 
+//
+// Chunked loading (Q8_0 and Q4_K, kChunkBytes > 0): the 32 consecutive units a warp's lanes take
+// in one pass are kChunkBytes contiguous bytes of the row, which the warp copies into shared
+// memory as 16-byte vectors (coalesced), after which each lane reads its own unit from there with
+// load_shared(raw, chunk, lane): the same Raw as load(raw, row, u), so the same bits (matvec_blocks).
+// Without it a lane fetches its 34-byte Q8_0 block as 17 halfwords from global memory, each warp
+// instruction touching 9 cache lines.
+
 template <int T>
 struct Unit;
 
 template <>
 struct Unit<kF32> {
-  static constexpr int kElems = 8, kGroups = 2;
+  static constexpr int kElems = 8, kGroups = 2, kChunkBytes = 0;
   struct Raw {
     float4 v[2];
   };
@@ -84,7 +92,7 @@ struct Unit<kF32> {
 
 template <>
 struct Unit<kF16> {
-  static constexpr int kElems = 8, kGroups = 2;
+  static constexpr int kElems = 8, kGroups = 2, kChunkBytes = 0;
   struct Raw {
     uint4 v;
   };
@@ -103,7 +111,7 @@ struct Unit<kF16> {
 
 template <>
 struct Unit<kBF16> {
-  static constexpr int kElems = 8, kGroups = 2;
+  static constexpr int kElems = 8, kGroups = 2, kChunkBytes = 0;
   struct Raw {
     uint4 v;
   };
@@ -127,21 +135,38 @@ struct Unit<kBF16> {
 // Q8_0: 34-byte blocks (2-byte aligned only), one block per unit, read as 17 halfwords.
 template <>
 struct Unit<kQ8_0> {
-  static constexpr int kElems = 32, kGroups = 8;
+  static constexpr int kElems = 32, kGroups = 8, kChunkBytes = 32 * 34;
   struct Raw {
     float d_256, neg_32896_d;
     uint32_t q[8];  // the int8 values XOR 0x80 (biased to 0..255), four per word
   };
+  DS4_HD static void set_scale(Raw& r, uint32_t d_bits) {
+    const float d = half_bits_to_float(d_bits);
+    r.d_256 = d * 0.00390625f;
+    r.neg_32896_d = d * -32896.0f;
+  }
   DS4_HD static void load(Raw& r, const uint8_t* row, int64_t u) {
     const unsigned short* p = reinterpret_cast<const unsigned short*>(row + 34 * u);
-    const float d = half_bits_to_float(ds4_ldg(p));
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const uint32_t lo = ds4_ldg(p + 1 + 2 * i), hi = static_cast<uint32_t>(ds4_ldg(p + 2 + 2 * i));
       r.q[i] = (lo | (hi << 16)) ^ 0x80808080u;
     }
-    r.d_256 = d * 0.00390625f;
-    r.neg_32896_d = d * -32896.0f;
+    set_scale(r, ds4_ldg(p));
+  }
+  // Unit l of a shared-memory chunk (16-byte aligned): nine aligned words cover its 34 bytes,
+  // which start on a word (l even) or half a word in (l odd); byte_perm picks the halfwords.
+  __device__ static void load_shared(Raw& r, const uint8_t* chunk, int l) {
+    const int off = 34 * l;
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(chunk + (off & ~3));
+    uint32_t v[9];
+#pragma unroll
+    for (int i = 0; i < 9; ++i) v[i] = w[i];
+    const bool odd = (off & 2) != 0;
+    const uint32_t sel = odd ? 0x7654u : 0x5432u;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) r.q[i] = ds4_byte_perm(v[i], v[i + 1], sel) ^ 0x80808080u;
+    set_scale(r, odd ? (v[0] >> 16) : (v[0] & 0xffffu));
   }
   DS4_HD static void decode(const Raw& r, int g, float w[4]) {
     w[0] = q8_times<0>(r.q[g], r.d_256, r.neg_32896_d);
@@ -157,7 +182,7 @@ struct Unit<kQ8_0> {
 // nibbles elements 64c + 32 + 16h + i of sub-block 2c+1. Eight units per block.
 template <>
 struct Unit<kQ4_K> {
-  static constexpr int kElems = 32, kGroups = 8;
+  static constexpr int kElems = 32, kGroups = 8, kChunkBytes = 4 * 144;
   struct Raw {
     uint4 qs;
     float dl0, ml0, dl1, ml1;
@@ -166,9 +191,19 @@ struct Unit<kQ4_K> {
     const uint8_t* blk = row + 144 * (u >> 3);
     const int c = static_cast<int>(u >> 1) & 3, h = static_cast<int>(u) & 1;
     const uint32_t* bw = reinterpret_cast<const uint32_t*>(blk);
-    const uint32_t dd = ds4_ldg(bw);
-    const uint32_t s0 = ds4_ldg(bw + 1), s1 = ds4_ldg(bw + 2), s2 = ds4_ldg(bw + 3);
     r.qs = ds4_ldg(reinterpret_cast<const uint4*>(blk + 16 + 32 * c + 16 * h));
+    set_scales(r, ds4_ldg(bw), ds4_ldg(bw + 1), ds4_ldg(bw + 2), ds4_ldg(bw + 3), c);
+  }
+  // Unit l of a shared-memory chunk of four blocks: the block's 16-byte head (d, dmin, the
+  // scales) and the lane's 16 quant bytes, two 16-byte reads.
+  __device__ static void load_shared(Raw& r, const uint8_t* chunk, int l) {
+    const uint8_t* blk = chunk + 144 * (l >> 3);
+    const int c = (l >> 1) & 3, h = l & 1;
+    const uint4 head = *reinterpret_cast<const uint4*>(blk);
+    r.qs = *reinterpret_cast<const uint4*>(blk + 16 + 32 * c + 16 * h);
+    set_scales(r, head.x, head.y, head.z, head.w, c);
+  }
+  DS4_HD static void set_scales(Raw& r, uint32_t dd, uint32_t s0, uint32_t s1, uint32_t s2, int c) {
     const float d = half_bits_to_float(dd & 0xffffu), dmin = half_bits_to_float(dd >> 16);
     float sc, m;
     q4k_scale_min(s0, s1, s2, 2 * c, &sc, &m);
@@ -197,7 +232,7 @@ struct Unit<kQ4_K> {
 // low nibbles are elements 0..15 and high nibbles elements 16..31.
 template <>
 struct Unit<kMXFP4> {
-  static constexpr int kElems = 32, kGroups = 8;
+  static constexpr int kElems = 32, kGroups = 8, kChunkBytes = 0;
   struct Raw {
     float d;
     uint32_t q[16];  // one byte per register
@@ -231,33 +266,56 @@ __host__ __device__ constexpr int64_t matvec_block_rows(int nc, int ks) {
   return static_cast<int64_t>(rows_per_warp(nc)) * (kMatvecWarps / ks);
 }
 
-// One block's share: rows [r0, r0 + R) of its row group, NC columns. xload(c, k): the 4
-// activations X[c][k..k+3] (k a multiple of 4) from wherever they live (GlobalX, StagedX); yoff:
-// the element offset of column c in Y. part: shared scratch of (warps in the block) * R * NC floats.
-template <int T, int NC, int R, class XLoad, class YOff>
-__device__ __forceinline__ void matvec_block(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows,
-                                             int64_t units, int ks, int64_t block_first_row, XLoad xload,
-                                             float* __restrict__ Y, YOff yoff, float* part) {
+// Shared bytes a block of `warps` warps with R rows each gives the chunked loads (matvec.cuh's
+// Unit comment): S stages (2: the next chunk is in flight while the lanes work on this one) of R
+// chunks per warp; zero for the types loaded unit by unit.
+template <int T>
+__host__ __device__ constexpr int chunk_stages(int R, int warps) {
+  return warps * 2 * R * Unit<T>::kChunkBytes <= 40 * 1024 ? 2 : 1;
+}
+template <int T>
+__host__ __device__ constexpr int chunk_buffer_bytes(int R, int warps, int stages) {
+  return Unit<T>::kChunkBytes > 0 ? warps * stages * R * Unit<T>::kChunkBytes : 16;
+}
+// Whether a matrix can take the chunked loads: every chunk whole 16-byte vectors (Q8_0: units a
+// multiple of 8), rows starting 16-byte aligned.
+template <int T>
+__host__ __device__ constexpr bool chunk_fits(int64_t units, int64_t row_bytes) {
+  return Unit<T>::kChunkBytes > 0 && units % 8 == 0 && row_bytes % 16 == 0;
+}
+
+// A block's share: row blocks b = b0, b0 + b_step, ... below b_end, each of R * (warps / ks) rows
+// (warp w works on rows b * R * (warps / ks) + (w / ks) * R + [0, R) and k-slice w % ks), NC
+// columns. xload(c, k): the 4 activations X[c][k..k+3] (k a multiple of 4) from wherever they live
+// (GlobalX, StagedX); yoff: the element offset of column c in Y. part: shared scratch of (warps in
+// the block) * R * NC floats.
+//
+// chunked (only where chunk_fits and W is 16-byte aligned): the weights come through wbuf, the
+// block's chunk_buffer_bytes<T>(R, warps, S) of shared memory, as one stream per warp across its
+// row blocks: with S = 2 the next chunk (of this row block, or the first of the next) is in flight
+// while the lanes work on the current one. The same units in the same order as the direct loads,
+// so the same bits, whatever the number of row blocks a block takes (a speed choice of the
+// launcher).
+template <int T, int NC, int R, int S, class XLoad, class YOff>
+__device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows,
+                                              int64_t units, int ks, int64_t b0, int64_t b_step, int64_t b_end,
+                                              XLoad xload, float* __restrict__ Y, YOff yoff, float* part,
+                                              bool chunked, uint8_t* wbuf) {
   using U = Unit<T>;
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int group = warp / ks, slice = warp % ks;
-  const int64_t r0 = block_first_row + static_cast<int64_t>(group) * R;
+  const int64_t br = static_cast<int64_t>(R) * (static_cast<int>(blockDim.x) / DS4_WARP / ks);
+  const int64_t stride = static_cast<int64_t>(ks) * DS4_WARP;
 
   float acc[R][NC];
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
-
   // Rows past the end re-read the last row (valid memory); their sums are never stored.
-  const uint8_t* rowp[R];
-#pragma unroll
-  for (int r = 0; r < R; ++r) rowp[r] = W + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes;
+  auto row_of = [&](int64_t b, int r) {
+    const int64_t row = b * br + static_cast<int64_t>(group) * R + r;
+    return W + (row < rows ? row : rows - 1) * row_bytes;
+  };
 
-  for (int64_t u = static_cast<int64_t>(slice) * DS4_WARP + lane; u < units; u += static_cast<int64_t>(ks) * DS4_WARP) {
-    typename U::Raw raw[R];
-#pragma unroll
-    for (int r = 0; r < R; ++r) U::load(raw[r], rowp[r], u);
+  // Unit u of every row, decoded once and applied to every column, elements in a fixed order.
+  auto apply = [&](const typename U::Raw (&raw)[R], int64_t u) {
 #pragma unroll
     for (int g = 0; g < U::kGroups; ++g) {
       float w[R][4];
@@ -276,41 +334,143 @@ __device__ __forceinline__ void matvec_block(const uint8_t* __restrict__ W, int6
         }
       }
     }
-  }
+  };
 
-#pragma unroll
-  for (int r = 0; r < R; ++r)
-#pragma unroll
-    for (int c = 0; c < NC; ++c) acc[r][c] = warp_sum(acc[r][c]);
-
-  if (ks == 1) {
+  auto zero = [&] {
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < NC; ++c)
-        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) Y[yoff(c) + r0 + r] = acc[r][c];
-    return;
-  }
-  if (lane == 0) {
+      for (int c = 0; c < NC; ++c) acc[r][c] = 0.0f;
+  };
+
+  // The 32 lanes by the fixed butterfly, then the k-slices by a fixed tree; then Y. Every warp of
+  // the block takes part (the block barrier), and leaves part free for the next row block.
+  auto finish = [&](int64_t b) {
+    const int64_t r0 = b * br + static_cast<int64_t>(group) * R;
 #pragma unroll
     for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < NC; ++c) part[(warp * R + r) * NC + c] = acc[r][c];
-  }
-  __syncthreads();
-  if (slice == 0) {
-    const int base = group * ks;
-    for (int i = lane; i < R * NC; i += DS4_WARP) {
-      const int r = i / NC, c = i % NC;
-      float s;
-      if (ks == 2) {
-        s = part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c];
-      } else {
-        s = (part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c]) +
-            (part[((base + 2) * R + r) * NC + c] + part[((base + 3) * R + r) * NC + c]);
-      }
-      if (r0 + r < rows) Y[yoff(c) + r0 + r] = s;
+      for (int c = 0; c < NC; ++c) acc[r][c] = warp_sum(acc[r][c]);
+    if (ks == 1) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c)
+          if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) Y[yoff(c) + r0 + r] = acc[r][c];
+      return;
     }
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int c = 0; c < NC; ++c) part[(warp * R + r) * NC + c] = acc[r][c];
+    }
+    __syncthreads();
+    if (slice == 0) {
+      const int base = group * ks;
+      for (int i = lane; i < R * NC; i += DS4_WARP) {
+        const int r = i / NC, c = i % NC;
+        float s;
+        if (ks == 2) {
+          s = part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c];
+        } else {
+          s = (part[(base * R + r) * NC + c] + part[((base + 1) * R + r) * NC + c]) +
+              (part[((base + 2) * R + r) * NC + c] + part[((base + 3) * R + r) * NC + c]);
+        }
+        if (r0 + r < rows) Y[yoff(c) + r0 + r] = s;
+      }
+    }
+    __syncthreads();
+  };
+
+  if constexpr (U::kChunkBytes > 0) {
+    if (chunked) {
+      // Pass i of a row block covers units [u0, u0 + 32), u0 = slice * 32 + i * stride; lane l
+      // works on unit u0 + l, as the direct loop below does.
+      constexpr int CB = U::kChunkBytes, UB = CB / DS4_WARP;  // bytes per chunk, per unit
+      uint8_t* buf = wbuf + static_cast<int64_t>(warp) * S * R * CB;
+      const int64_t first_u = static_cast<int64_t>(slice) * DS4_WARP;
+      const int passes = first_u < units ? static_cast<int>((units - first_u + stride - 1) / stride) : 0;
+      auto issue = [&](int64_t b, int i, int stage) {
+        const int64_t ub = first_u + i * stride;
+        const int nvec = static_cast<int>((units - ub < DS4_WARP ? units - ub : DS4_WARP) * UB / 16);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint8_t* src = row_of(b, r) + ub * UB;
+          uint8_t* dst = buf + (stage * R + r) * CB;
+          for (int v = lane; v < nvec; v += DS4_WARP) ds4_cp_async16(dst + 16 * v, src + 16 * v);
+        }
+        ds4_cp_async_commit();
+      };
+      // The item after (b, i) in this warp's stream; false at its end.
+      auto issue_next = [&](int64_t b, int i, int stage) {
+        if (i + 1 < passes) {
+          issue(b, i + 1, stage);
+          return true;
+        }
+        if (b + b_step < b_end && passes > 0) {
+          issue(b + b_step, 0, stage);
+          return true;
+        }
+        return false;
+      };
+      int stage = 0;
+      if (b0 < b_end && passes > 0) issue(b0, 0, 0);
+      for (int64_t b = b0; b < b_end; b += b_step) {
+        zero();
+        for (int i = 0; i < passes; ++i) {
+          if constexpr (S == 2) {
+            if (!issue_next(b, i, stage ^ 1)) ds4_cp_async_commit();  // an empty group keeps the count right
+            ds4_cp_async_wait<1>();
+          } else {
+            ds4_cp_async_wait<0>();
+          }
+          ds4_syncwarp();
+          const int64_t u0 = first_u + i * stride;
+          if (lane < units - u0) {
+            typename U::Raw raw[R];
+#pragma unroll
+            for (int r = 0; r < R; ++r) U::load_shared(raw[r], buf + (stage * R + r) * CB, lane);
+            apply(raw, u0 + lane);
+          }
+          ds4_syncwarp();  // every lane is done with this stage before it is filled again
+          if constexpr (S == 2) {
+            stage ^= 1;
+          } else {
+            issue_next(b, i, 0);
+          }
+        }
+        finish(b);
+      }
+      return;
+    }
+  }
+  // Unit by unit; F16/BF16 units (16 bytes) two passes at a time, so twice the loads are in
+  // flight (the same order of work).
+  constexpr bool kTwo = T == kF16 || T == kBF16;
+  for (int64_t b = b0; b < b_end; b += b_step) {
+    zero();
+    const uint8_t* rowp[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) rowp[r] = row_of(b, r);
+    for (int64_t u = static_cast<int64_t>(slice) * DS4_WARP + lane; u < units; u += (kTwo ? 2 : 1) * stride) {
+      typename U::Raw raw[R];
+#pragma unroll
+      for (int r = 0; r < R; ++r) U::load(raw[r], rowp[r], u);
+      if constexpr (kTwo) {
+        const bool two = u + stride < units;
+        typename U::Raw raw2[R];
+        if (two) {
+#pragma unroll
+          for (int r = 0; r < R; ++r) U::load(raw2[r], rowp[r], u + stride);
+        }
+        apply(raw, u);
+        if (two) apply(raw2, u + stride);
+      } else {
+        apply(raw, u);
+      }
+    }
+    finish(b);
   }
 }
 
@@ -330,24 +490,45 @@ struct GlobalX {
   }
 };
 
+// A batch of equally shaped products in one launch (grid.y = member): member i reads its weights
+// at W + i * w_bytes, its columns at X + i * x and writes Y + i * y (elements). Each member's rows
+// are computed exactly as a launch of its own would compute them.
+struct MatvecBatch {
+  int64_t w_bytes = 0, x = 0, y = 0;
+};
+
+// Blocks resident per SM the register allocation must allow: 4 (<= 128 registers a thread) for
+// products of up to 4 columns, where the weight stream needs the warps more than the registers,
+// 3 (<= 168) for wider ones, whose accumulators need more (a tighter cap spills). Measured on the
+// H200 (ext/gpu/README.md, pass 5): left uncapped, the tall kernel took 255 registers and its LM
+// head ran 40% slower.
+constexpr int matvec_min_blocks(int nc) { return nc <= 4 ? 4 : 3; }
+
 template <int T, int NC, bool TALL>
-__global__ void __launch_bounds__(kMatvecThreads)
+__global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
-                        const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy) {
+                        const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy, bool chunked,
+                        MatvecBatch batch) {
+  W += blockIdx.y * batch.w_bytes;
+  X += blockIdx.y * batch.x;
+  Y += blockIdx.y * batch.y;
   constexpr int R = (TALL ? 2 : 1) * rows_per_warp(NC);
+  constexpr int S = chunk_stages<T>(R, kMatvecWarps);
   __shared__ float part[kMatvecWarps * R * NC];
-  matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks),
-                         GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part);
+  __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];
+  const int64_t br = static_cast<int64_t>(R) * (kMatvecWarps / ks);
+  matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                             GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
 }
 
 // --- the staged kernel: activations in shared memory, a persistent grid ------------------------
 //
-// Why: in matvec_block lane l reads X[c][k..k+3] at k = 32u + 4g (u its unit), 128 bytes from its
+// Why: in matvec_blocks lane l reads X[c][k..k+3] at k = 32u + 4g (u its unit), 128 bytes from its
 // neighbour's, so every warp-wide float4 read of X touches 32 cache lines, and each warp repeats
 // those reads for every R rows; at 8 columns that, not the weights, bounded the direct kernel
 // (0.24 TB/s of weights; ext/gpu/README.md). Here a block of kStagedThreads copies the NC columns
 // into shared memory once (coalesced), then walks row blocks b = blockIdx.x, + gridDim.x, ...
-// with the same matvec_block, reading X from shared memory. Same lane-to-unit map, same order,
+// with the same matvec_blocks, reading X from shared memory. Same lane-to-unit map, same order,
 // same reductions: every column is bit-identical to the direct kernel's (and to one column
 // alone). Bytes: the weights once, NC*K*4 of activations per block (gridDim.x blocks: about one
 // or two per SM), the outputs once.
@@ -381,10 +562,20 @@ struct StagedX {
 // Float4 chunks a column takes in shared memory (K rounded up to whole rows of 32 floats).
 __host__ __device__ constexpr int64_t staged_col4(int64_t K) { return (K + 31) / 32 * 8; }
 
+// The staged kernel's chunk buffer (dynamic shared memory, after the columns): two stages.
+template <int T>
+__host__ __device__ constexpr int staged_wbuf_bytes() {
+  return Unit<T>::kChunkBytes > 0 ? chunk_buffer_bytes<T>(kStagedRows, kStagedWarps, 2) : 0;
+}
+
 template <int T, int NC>
 __global__ void __launch_bounds__(kStagedThreads)
     matvec_staged_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
-                         int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy) {
+                         int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
+                         bool chunked, MatvecBatch batch) {
+  W += blockIdx.y * batch.w_bytes;
+  X += blockIdx.y * batch.x;
+  Y += blockIdx.y * batch.y;
   constexpr int R = kStagedRows;
   extern __shared__ float4 xs[];
   __shared__ float part[kStagedWarps * R * NC];
@@ -411,10 +602,9 @@ __global__ void __launch_bounds__(kStagedThreads)
   __syncthreads();
   const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
   const int64_t n_blocks = (rows + br - 1) / br;
-  for (int64_t b = blockIdx.x; b < n_blocks; b += gridDim.x) {
-    matvec_block<T, NC, R>(W, row_bytes, rows, units, ks, b * br, StagedX<T>{xs, col4}, Y, DenseOff{ldy}, part);
-    if (ks > 1) __syncthreads();  // part is read by the slice-0 warps before the next block writes it
-  }
+  uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs + static_cast<int64_t>(NC) * col4);
+  matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks, StagedX<T>{xs, col4}, Y,
+                             DenseOff{ldy}, part, chunked, wbuf);
 }
 
 // A part of the expert-grouped product: pairs [first, first + count) of the pair list all use
@@ -432,48 +622,70 @@ struct GatherOff {
 // Expert-grouped product: block (x, p) computes row block x of part p: for each pair id j of the
 // part (sorted_pairs[first..first+count)), Y[j] = W[expert] . X[x_row[j]] (x_row null: X[j]). Parts past *n_parts exit (the grid is sized for the
 // most parts the step can have, so a captured graph stays valid whatever the routing was).
+// The grouped kernel's shared chunk buffer: sized for the widest R it runs (narrow parts).
+constexpr int kGroupedRows = rows_per_warp(1) > rows_per_warp(kMaxPartCols) ? rows_per_warp(1) : rows_per_warp(kMaxPartCols);
+
 template <int T, int NC>
 __device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                                              const float* X, const int32_t* lanes, int64_t ldx, float* Y,
-                                             const int32_t* ids, int64_t ldy, float* part) {
+                                             const int32_t* ids, int64_t ldy, float* part, bool chunked,
+                                             uint8_t* wbuf) {
   constexpr int R = rows_per_warp(NC);
-  matvec_block<T, NC, R>(We, row_bytes, rows, units, ks, static_cast<int64_t>(blockIdx.x) * R * (kMatvecWarps / ks),
-                         GlobalX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part);
+  // The buffer holds S stages of kGroupedRows rows; a narrower R uses its front part.
+  constexpr int S = chunk_stages<T>(kGroupedRows, kMatvecWarps);
+  const int64_t br = matvec_block_rows(NC, ks);
+  matvec_blocks<T, NC, R, S>(We, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                             GlobalX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part, chunked, wbuf);
 }
 
-template <int T>
-__global__ void __launch_bounds__(kMatvecThreads)
+// Columns c0.. of a part, in sub-parts of at most MAXC columns (each column is single-column
+// arithmetic, so how a part is cut never changes a result).
+template <int T, int NC>
+__device__ __forceinline__ void grouped_part_nc(int nc, const uint8_t* We, int64_t row_bytes, int64_t rows,
+                                                int64_t units, int ks, const float* X, const int32_t* lanes,
+                                                int64_t ldx, float* Y, const int32_t* ids, int64_t ldy, float* part,
+                                                bool chunked, uint8_t* wbuf) {
+  if (nc == NC) {
+    grouped_part<T, NC>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
+  } else if constexpr (NC > 1) {
+    grouped_part_nc<T, NC - 1>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
+  }
+}
+
+// MAXC (1, 2, 4 or 8): the widest sub-part a block runs, chosen by the launcher from the lanes of
+// the step (a part has at most one pair per lane unless a lane routes twice to one expert, which
+// the sub-parts cover): the register file and the grid are sized for it, so a decode step of one
+// lane does not pay for 8-column code. MAXC <= 4 gives every width the same R (the grid's rows).
+static_assert(rows_per_warp(1) == rows_per_warp(4), "sub-parts of up to 4 columns share one row count");
+template <int T, int MAXC>
+__global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
     matvec_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int64_t rows,
                           int64_t units, int ks, const ExpertPartDev* __restrict__ parts,
                           const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                           const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
-                          float* __restrict__ Y, int64_t ldy) {
-  constexpr int R1 = rows_per_warp(1) > rows_per_warp(kMaxPartCols) ? rows_per_warp(1) : rows_per_warp(kMaxPartCols);
-  __shared__ float part[kMatvecWarps * R1 * kMaxPartCols];
-  __shared__ int32_t lanes[kMaxPartCols], ids[kMaxPartCols];
+                          float* __restrict__ Y, int64_t ldy, bool chunked) {
+  constexpr int S = chunk_stages<T>(kGroupedRows, kMatvecWarps);
+  __shared__ float part[kMatvecWarps * kGroupedRows * MAXC];
+  __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(kGroupedRows, kMatvecWarps, S)];
+  __shared__ int32_t lanes[MAXC], ids[MAXC];
   const int p = static_cast<int>(blockIdx.y);
   if (p >= *n_parts) return;
   const ExpertPartDev pt = parts[p];
-  const int64_t block_rows = matvec_block_rows(pt.count, ks);
+  const int64_t block_rows = matvec_block_rows(pt.count < MAXC ? pt.count : MAXC, ks);
   if (static_cast<int64_t>(blockIdx.x) * block_rows >= rows) return;  // narrow parts need fewer blocks
-  if (threadIdx.x < kMaxPartCols) {
-    const int c = static_cast<int>(threadIdx.x);
-    const int32_t pair = c < pt.count ? sorted_pairs[pt.first + c] : 0;
-    ids[c] = pair;
-    lanes[c] = x_row != nullptr ? x_row[pair] : pair;
-  }
-  __syncthreads();
+  // (A block takes row blocks blockIdx.x, + gridDim.x, ...; the launcher sizes the grid.)
   const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
-  switch (pt.count) {
-    case 1: grouped_part<T, 1>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 2: grouped_part<T, 2>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 3: grouped_part<T, 3>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 4: grouped_part<T, 4>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 5: grouped_part<T, 5>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 6: grouped_part<T, 6>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 7: grouped_part<T, 7>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    case 8: grouped_part<T, 8>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part); break;
-    default: break;
+  for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
+    const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
+    if (c0 > 0) __syncthreads();  // the previous sub-part is done with lanes, ids and part
+    if (threadIdx.x < MAXC) {
+      const int c = static_cast<int>(threadIdx.x);
+      const int32_t pair = c < nc ? sorted_pairs[pt.first + c0 + c] : 0;
+      ids[c] = pair;
+      lanes[c] = x_row != nullptr ? x_row[pair] : pair;
+    }
+    __syncthreads();
+    grouped_part_nc<T, MAXC>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
   }
 }
 

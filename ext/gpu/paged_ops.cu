@@ -377,7 +377,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_paged_kernel(Attention
     float o[HB][2];
 #pragma unroll
     for (int h = 0; h < HB; ++h) o[h][0] = o[h][1] = 0.0f;
-#pragma unroll 4  // independent loads in flight; the sums still run in key order
+#pragma unroll 16  // independent loads in flight (the loop waits on them); the sums still run in key order
     for (int i = 0; i < n; ++i) {
       const uint32_t kk = ds4_ldg(reinterpret_cast<const uint32_t*>(kp[i]) + e2);
       const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);

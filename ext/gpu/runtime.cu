@@ -106,8 +106,26 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
   for (int c = 0; c < ncols; ++c) std::memcpy(Y + c * ldy, &out[c * rows], static_cast<size_t>(rows) * sizeof(float));
 }
 
+void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols, float* Y, bool tall,
+                    int staged_min) {
+  if (ncols <= 0) return;
+  if (n_batch < 1 || W.ne[1] % n_batch != 0)
+    throw std::invalid_argument("GPU batched matvec: the rows do not split into " + std::to_string(n_batch));
+  const int64_t K = W.ne[0], rows = W.ne[1] / n_batch;
+  Buffer w(W.data, static_cast<size_t>(W.nbytes()));
+  Buffer x(X, static_cast<size_t>(ncols) * n_batch * K * sizeof(float));
+  Buffer y(static_cast<size_t>(ncols) * n_batch * rows * sizeof(float));
+  TensorView dv = W;
+  dv.data = w.as<uint8_t>();
+  dv.ne[1] = rows;
+  ds4::gpu::matvec_batched(dv, n_batch, rows * W.row_bytes(), x.as<float>(), K, ncols, n_batch * K, y.as<float>(),
+                           rows, n_batch * rows, nullptr, tall, staged_min);
+  sync();
+  y.download(Y);
+}
+
 void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
-                    const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy) {
+                    const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols) {
   if (n_pairs <= 0) return;
   const int64_t n_expert = W.ne[2], rows = W.ne[1];
   for (int p = 0; p < n_pairs; ++p) {
@@ -130,12 +148,14 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
   build_expert_parts(pe.as<int32_t>(), n_pairs, static_cast<int>(n_expert), max_part, sorted.as<int32_t>(),
                      parts.as<ExpertPart>(), n_parts.as<int32_t>(), nullptr);
   ds4::gpu::matvec_grouped(dv, parts.as<ExpertPart>(), n_parts.as<int32_t>(), n_pairs, sorted.as<int32_t>(),
-                           xr.as<int32_t>(), x.as<float>(), ld, y.as<float>(), rows, nullptr);
+                           xr.as<int32_t>(), x.as<float>(), ld, y.as<float>(), rows, nullptr, max_cols);
   std::vector<float> out(static_cast<size_t>(n_pairs) * rows);
   sync();
   y.download(out.data());
   for (int p = 0; p < n_pairs; ++p) std::memcpy(Y + p * ldy, &out[p * rows], static_cast<size_t>(rows) * sizeof(float));
 }
+
+void set_matvec_chunked(bool on) { ds4::gpu::set_matvec_chunked(on); }
 
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps) {
   if (n_rows <= 0) return;

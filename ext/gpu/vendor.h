@@ -177,3 +177,46 @@ DS4_HD T ds4_ldg(const T* p) {
   return *p;
 #endif
 }
+
+// --- warp-scope copies into shared memory (matvec.cuh's chunked weight loads) -----------------
+// ds4_cp_async16(dst, src): copy 16 bytes, global -> shared (16-byte aligned both). On sm_80+ an
+// asynchronous cp.async (no registers held while it is in flight); elsewhere a plain load and
+// store. ds4_cp_async_commit() closes a group of copies; ds4_cp_async_wait<N>() waits until at
+// most N groups are still in flight (this lane's copies only: follow it with ds4_syncwarp()
+// before reading what other lanes copied).
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+#define DS4_CP_ASYNC 1
+#endif
+
+__device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src) {
+#if defined(DS4_CP_ASYNC)
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
+#else
+  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+#endif
+}
+
+__device__ __forceinline__ void ds4_cp_async_commit() {
+#if defined(DS4_CP_ASYNC)
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
+
+template <int N>
+__device__ __forceinline__ void ds4_cp_async_wait() {
+#if defined(DS4_CP_ASYNC)
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
+}
+
+// A barrier and shared-memory fence among the 32 lanes of a logical warp (all of them take part).
+__device__ __forceinline__ void ds4_syncwarp() {
+#if defined(DS4_HIP)
+  __builtin_amdgcn_fence(__ATOMIC_RELEASE, "wavefront");
+  __builtin_amdgcn_wave_barrier();
+  __builtin_amdgcn_fence(__ATOMIC_ACQUIRE, "wavefront");
+#else
+  __syncwarp();
+#endif
+}

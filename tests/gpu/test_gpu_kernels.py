@@ -152,6 +152,86 @@ def test_grouped_pairs_equal_single_columns(t: int, max_part: int) -> None:
         assert np.array_equal(one.view(np.uint32), y[p].view(np.uint32))
 
 
+@pytest.fixture
+def unchunked():
+    """Run a block with the Q8_0/Q4_K chunked weight loads off, turning them back on after."""
+
+    class Off:
+        def __enter__(self):
+            T.gpu_set_matvec_chunked(False)
+
+        def __exit__(self, *exc):
+            T.gpu_set_matvec_chunked(True)
+
+    yield Off()
+    T.gpu_set_matvec_chunked(True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 12], ids=["Q8_0", "Q4_K"])
+@pytest.mark.parametrize("ne0, ne1", [(4096, 600), (2048, 2100), (1280, 9001), (1056, 77), (256, 16424)],
+                         ids=["ks4", "ks2", "ks1-partial-chunk", "no-chunks", "tall"])
+def test_chunked_weight_loads_give_the_same_bits(t: int, ne0: int, ne1: int, unchunked) -> None:
+    """The chunked loads (32 units' bytes copied into shared memory as 16-byte vectors, each lane
+    reading its unit from there) change speed, never bits: direct, staged and tall kernels at every
+    width, a last chunk of 8 units (K = 1280: 40 units a row), and a Q8_0 K that cannot take chunks
+    (1056: 33 units), against the unit-by-unit loads."""
+    if t == 12 and ne0 % 256:
+        ne0 = 1280 if ne0 == 1056 else ne0
+    rng = np.random.default_rng()
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    runs = [dict(staged=False), dict(staged=True), dict(staged=False, tall=True)]
+    got = {(w, i): T.gpu_matmul(t, raw, ne0, ne1, x[:w], **kw) for w in range(1, 17) for i, kw in enumerate(runs)}
+    with unchunked:
+        for (w, i), y in got.items():
+            want = T.gpu_matmul(t, raw, ne0, ne1, x[:w], **runs[i])
+            assert np.array_equal(y.view(np.uint32), want.view(np.uint32)), (NAMES[t], w, runs[i])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 12, 1], ids=["Q8_0", "Q4_K", "F16"])
+def test_batched_products_equal_their_own_launches(t: int) -> None:
+    """matvec_batched (the grouped output projection's 8 groups in one launch) gives each member the
+    bits of its own launch: widths 1, 3, 8 and 16, direct and staged."""
+    rng = np.random.default_rng()
+    ne0, rows, n_batch = 1024, 512, 8
+    raw = tame_raw(t, ne0 * rows * n_batch, rng)
+    x = rng.standard_normal((16, n_batch * ne0)).astype(np.float32)
+    member_bytes = ne0 // GEOMETRY[t][0] * GEOMETRY[t][1] * rows
+    for width in (1, 3, 8, 16):
+        for staged in (False, True):
+            got = T.gpu_matmul_batched(t, raw, ne0, rows * n_batch, n_batch, x[:width], staged=staged)
+            for i in range(n_batch):
+                own = T.gpu_matmul(t, raw[i * member_bytes : (i + 1) * member_bytes], ne0, rows,
+                                   x[:width, i * ne0 : (i + 1) * ne0], staged=staged)
+                assert np.array_equal(got[:, i * rows : (i + 1) * rows].view(np.uint32), own.view(np.uint32)), \
+                    (NAMES[t], width, staged, i)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("t", [8, 12], ids=["Q8_0", "Q4_K"])
+def test_grouped_widths_and_chunks_give_the_same_bits(t: int, unchunked) -> None:
+    """The grouped kernel sized for 1, 2, 4 or 8 columns (parts wider than that run in pieces), with
+    and without chunked loads, gives every pair the bits of its own single-column product, also when
+    a lane routes twice to one expert (a part two pairs wide at one lane)."""
+    rng = np.random.default_rng()
+    ne0, ne1, n_expert, n_lanes = 2048, 200, 4, 7
+    raw = tame_raw(t, ne0 * ne1 * n_expert, rng)
+    x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+    pair_expert = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)  # repeats within a lane too
+    x_row = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
+    expert_bytes = ne0 // GEOMETRY[t][0] * GEOMETRY[t][1] * ne1
+    single = np.stack([T.gpu_matmul(t, raw[e * expert_bytes : (e + 1) * expert_bytes], ne0, ne1, x[r : r + 1])[0]
+                       for e, r in zip(pair_expert, x_row)])
+    for chunked in (True, False):
+        T.gpu_set_matvec_chunked(chunked)
+        for max_cols in (1, 2, 4, 8):
+            y = T.gpu_matmul_grouped(t, raw, ne0, ne1, n_expert, x, pair_expert, x_row, 8, max_cols)
+            assert np.array_equal(y.view(np.uint32), single.view(np.uint32)), (NAMES[t], chunked, max_cols)
+    T.gpu_set_matvec_chunked(True)
+
+
 @pytest.mark.gpu
 def test_rms_norm_matches_the_cpu_formula() -> None:
     rng = np.random.default_rng()
