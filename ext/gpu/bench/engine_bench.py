@@ -10,21 +10,22 @@ includes the plan upload, every kernel and the logits download). Method:
   10 timed with device events after 3 warm-ups; also a 4 GiB read-only reduction;
 - prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (logits for the last
   row of each step only), tok/s = 2048 / wall time;
-- decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 8 the first C
+- decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 6, 8 the first C
   slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
   C / median step time;
-- prefill and decode in four modes (graphs, tall, staged): eager launches with the direct matvec
-  (the reference), graphs + tall with the direct matvec (the default before the staged kernel),
-  eager + tall + staged, and graphs + tall + staged (the default); graphs: one CUDA graph per
-  shape bucket, captured during the warm-up; tall: matvec's tall variant for q_b and the LM head;
-  staged: matvec's staged kernel for products of 2+ columns; for each C the four modes run back
-  to back, so their contexts differ little;
+- prefill and decode in three modes (graphs, tall, staged, chunked): eager launches with the
+  direct matvec and unit-by-unit weight loads (the reference), graphs + tall + staged with
+  unit-by-unit loads (the default before the chunked loads), and graphs + tall + staged + chunked
+  (the default); graphs: one CUDA graph per shape bucket, captured during the warm-up; tall:
+  matvec's tall variant for q_b and the LM head; staged: matvec's staged kernel for products of 2+
+  columns; chunked: Q8_0/Q4_K weights copied into shared memory as coalesced chunks; for each C
+  the modes run back to back, so their contexts differ little;
 - exactness on this model: from the same prompts (4 slots of 150 tokens, then 6 steps of fixed
   tokens at C = 4) every mode's logits against the reference mode, bit for bit;
 - then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
   indexer then scores 525 entries a lane and keeps 512);
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
-  (at the long context) and 2 prefill steps of 64 rows, eager + tall + staged, into
+  (at the long context) and 2 prefill steps of 64 rows, eager + tall + staged + chunked, into
   JSON.profile.txt;
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
@@ -161,14 +162,20 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
     return out
 
 
-MODES = [(False, False, False), (True, True, False), (False, True, True), (True, True, True)]  # (graphs, tall, staged)
+# (graphs, tall, staged, chunked)
+MODES = [(False, False, False, False), (True, True, True, False), (True, True, True, True)]
 REFERENCE = MODES[0]
 
 
-def set_mode(runner: Runner, graphs: bool, tall: bool, staged: bool) -> None:
+def set_mode(runner: Runner, graphs: bool, tall: bool, staged: bool, chunked: bool) -> None:
     runner._impl.use_graphs = graphs
     runner._impl.use_tall_matvec = tall
     runner._impl.use_staged_matvec = staged
+    _native._testing.gpu_set_matvec_chunked(chunked)
+
+
+def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
+    return f"graphs={int(graphs)} tall={int(tall)} staged={int(staged)} chunked={int(chunked)}"
 
 
 def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
@@ -177,8 +184,8 @@ def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
     prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
     feed = rng.integers(0, mf.config.n_vocab, (6, 4))
     results, base = [], None
-    for graphs, tall, staged in MODES:
-        set_mode(runner, graphs, tall, staged)
+    for mode in MODES:
+        set_mode(runner, *mode)
         out = []
         for s in range(4):
             runner.reset_slot(s)
@@ -189,11 +196,11 @@ def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
         got = np.concatenate(out)
         if base is None:
             base = got
-        row = {"graphs": graphs, "tall": tall, "staged": staged, "bit_identical": bool(np.array_equal(got.view(np.uint32),
-                                                                                     base.view(np.uint32))),
+        row = {"mode": mode_name(*mode),
+               "bit_identical": bool(np.array_equal(got.view(np.uint32), base.view(np.uint32))),
                "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
         results.append(row)
-        print(f"exactness graphs={graphs} tall={tall} staged={staged}: bit-identical {row['bit_identical']}, "
+        print(f"exactness {row['mode']}: bit-identical {row['bit_identical']}, "
               f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
     set_mode(runner, *REFERENCE)
     for s in range(4):
@@ -206,8 +213,8 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
     """Greedy decode of the first C slots for each C, in each mode back to back: step times, tok/s
     and the roofline fraction."""
     rows = []
-    for c, (graphs, tall, staged) in ((c, m) for c in concurrencies for m in MODES):
-        set_mode(runner, graphs, tall, staged)
+    for c, mode in ((c, m) for c in concurrencies for m in MODES):
+        set_mode(runner, *mode)
         times = []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
@@ -221,13 +228,13 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
                 nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
-        row = {"concurrency": c, "graphs": graphs, "tall": tall, "staged": staged, "step_ms_median": step * 1e3,
+        row = {"concurrency": c, "mode": mode_name(*mode), "step_ms_median": step * 1e3,
                "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
             row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
         rows.append(row)
-        print(f"decode C={c} graphs={int(graphs)} tall={int(tall)} staged={int(staged)}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
+        print(f"decode C={c} {row['mode']}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
     set_mode(runner, *REFERENCE)
@@ -266,8 +273,8 @@ def main() -> int:
     save()
 
     result["prefill"] = []
-    for graphs, tall, staged in MODES:
-        set_mode(runner, graphs, tall, staged)
+    for mode in MODES:
+        set_mode(runner, *mode)
         for rows in (16, 64):
             runner.reset_slot(SLOTS - 1)
             prompt = rng.integers(0, mf.config.n_vocab, 2048)
@@ -276,10 +283,10 @@ def main() -> int:
             t0 = time.perf_counter()
             prefill(runner, SLOTS - 1, prompt, rows)
             dt = time.perf_counter() - t0
-            result["prefill"].append({"graphs": graphs, "tall": tall, "staged": staged, "rows_per_step": rows,
+            result["prefill"].append({"mode": mode_name(*mode), "rows_per_step": rows,
                                       "tokens": len(prompt),
                                       "seconds": dt, "tok_s": len(prompt) / dt})
-            print(f"prefill {rows} rows/step graphs={int(graphs)} tall={int(tall)} staged={int(staged)}: "
+            print(f"prefill {rows} rows/step {mode_name(*mode)}: "
                   f"{len(prompt) / dt:.0f} tok/s",
                   flush=True)
     runner.reset_slot(SLOTS - 1)
@@ -291,7 +298,7 @@ def main() -> int:
         logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
         nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
     copy_bw = result["bandwidth"].get("copy_GBps")
-    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 8), args.steps, copy_bw)
+    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 6, 8), args.steps, copy_bw)
     save()
     if args.long_ctx:
         for s in range(SLOTS):
@@ -302,7 +309,7 @@ def main() -> int:
         result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw)
     result["graphs_captured"] = runner._impl.graphs_captured
     save()
-    set_mode(runner, False, True, True)
+    set_mode(runner, False, True, True, True)
     try:
         result["profile"] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(".profile.txt") if args.json
                                    else None)

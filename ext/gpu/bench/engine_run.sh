@@ -1,12 +1,14 @@
 #!/usr/bin/env bash
 # Everything one device call does for the GPU engine (ext/gpu/README.md, "Engine"):
 #   OUT=dir ext/gpu/bench/engine_run.sh [--no-bench] [--budget SECONDS] [--harness BINARY]
+#                                       [--harness-bench --bench-chunked|--bench-staged|--bench]
 # 1. Python packages the image lacks, from carried wheels (.whl/, when present);
 # 2. the module: the carried cp312 build (build/gpu312/...), else built here (DS4_GPU=cuda, in place);
 # 3. in the background, a flash-l4 model synthesized to /tmp/f.gguf (about 60 s, 16.7 GB);
 # 4. pytest tests/gpu (engine_check.py's per-variant diagnosis only when it fails);
-#    with --harness (a harness built by build.sh, carried): its --check, then --bench-staged
-#    (the direct and the staged matvec side by side) into harness.json;
+#    with --harness (a harness built by build.sh, carried): its --check, then its bench
+#    (--harness-bench: --bench-chunked by default, the unit-by-unit and the chunked weight loads
+#    side by side) into harness.json;
 # 5. compute-sanitizer memcheck on engine_check.py --quick (eager, then graphs + tall matvec);
 # 6. engine_bench.py on flash-l4: exactness of graphs and tall matvec bit for bit, prefill and
 #    decode C = 1, 2, 4, 8 in each mode with rooflines, a kernel profile;
@@ -24,11 +26,13 @@ exec > >(tee -a "$OUT/run.log") 2>&1
 bench=1
 budget=330
 harness=
+harness_bench=--bench-chunked
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
     --budget) budget=$2; shift ;;
     --harness) harness=$2; shift ;;
+    --harness-bench) harness_bench=$2; shift ;;
   esac
   shift
 done
@@ -79,8 +83,8 @@ if [ -n "$harness" ]; then
   echo "== harness --check ($((SECONDS - start)) s)"
   timeout "$(left 90)" "$harness" --check
   echo "harness check exit $?"
-  echo "== harness --bench-staged ($((SECONDS - start)) s)"
-  timeout "$(left 90)" "$harness" --bench-staged --json "$OUT/harness.json"
+  echo "== harness $harness_bench ($((SECONDS - start)) s)"
+  timeout "$(left 90)" "$harness" "$harness_bench" --json "$OUT/harness.json"
   echo "harness bench exit $?"
 fi
 echo "== compute-sanitizer memcheck (engine_check --quick) ($((SECONDS - start)) s)"

@@ -617,8 +617,9 @@ struct WeightSet {
 
 // modes: the matvec staged_min values to time (each a row; the name gets " direct" or " staged"
 // when more than one is timed).
-void bench_dense(const char* name, DType t, int64_t K, int64_t rows, double copy_bw, Rng& rng,
-                 std::vector<BenchRow>& out, const std::vector<int>& modes = {g::kMatvecStagedMin}) {
+void bench_dense(const std::string& name, DType t, int64_t K, int64_t rows, double copy_bw, Rng& rng,
+                 std::vector<BenchRow>& out, const std::vector<int>& modes = {g::kMatvecStagedMin},
+                 bool tall = false) {
   WeightSet ws(t, K, rows, 1, rng);
   DeviceMem x(16 * K * sizeof(float)), y(16 * rows * sizeof(float));
   const std::vector<float> xh = random_floats(16 * K, rng);
@@ -627,7 +628,7 @@ void bench_dense(const char* name, DType t, int64_t K, int64_t rows, double copy
     for (int mode : modes) {
       const int per_graph = static_cast<int>(std::max<size_t>(ws.copies.size(), 20));
       const double s = time_launches([&](cudaStream_t st, int i) {
-        g::matvec(ws.at(i), x.as<float>(), nc, K, y.as<float>(), rows, st, false, mode);
+        g::matvec(ws.at(i), x.as<float>(), nc, K, y.as<float>(), rows, st, tall, mode);
       }, per_graph, 15);
       const double bytes = static_cast<double>(ws.base.nbytes()) + 4.0 * nc * (K + rows);
       std::string label = name;
@@ -638,7 +639,7 @@ void bench_dense(const char* name, DType t, int64_t K, int64_t rows, double copy
 }
 
 // Grouped experts: n_lanes lanes x 6 routes over `experts` experts; bytes = distinct experts read.
-void bench_grouped(const char* name, DType t, int64_t K, int64_t rows, int experts, double copy_bw, Rng& rng,
+void bench_grouped(const std::string& name, DType t, int64_t K, int64_t rows, int experts, double copy_bw, Rng& rng,
                    std::vector<BenchRow>& out) {
   const int per_lane = 6, n_sets = 16;
   WeightSet ws(t, K, rows, experts, rng);
@@ -685,7 +686,7 @@ void bench_grouped(const char* name, DType t, int64_t K, int64_t rows, int exper
     const double s = time_launches([&](cudaStream_t st, int i) {
       const int k = i % n_sets;
       g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
-                        y.as<float>(), rows, st);
+                        y.as<float>(), rows, st, std::min(n_lanes, 8));  // as the engine sizes it
     }, 32, 15);
     const double expert_bytes = static_cast<double>(ws.base.row_bytes()) * rows;
     const double bytes = distinct_total / n_sets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
@@ -694,12 +695,30 @@ void bench_grouped(const char* name, DType t, int64_t K, int64_t rows, int exper
   }
 }
 
-int run_bench(const char* json_path, Rng& rng, bool staged_only) {
+enum BenchMode { kBenchDefault, kBenchStaged, kBenchChunked };
+
+int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
   g::matvec_prepare();  // outside the graph captures below
   const double bw = copy_bandwidth();
   std::printf("device-to-device copy: %.1f GB/s (read + write)\n", bw / 1e9);
   std::vector<BenchRow> rows;
-  if (staged_only) {
+  if (mode == kBenchChunked) {
+    // The flash-l4 decode shapes with the unit-by-unit and the chunked weight loads (same bits).
+    for (bool chunked : {false, true}) {
+      g::set_matvec_chunked(chunked);
+      const std::string how = chunked ? " chunked" : " unit loads";
+      bench_dense("Q8_0 [4096 -> 1024] q_a" + how, DType::Q8_0, 4096, 1024, bw, rng, rows);
+      bench_dense("Q8_0 [4096 -> 2048] shared gate/up" + how, DType::Q8_0, 4096, 2048, bw, rng, rows);
+      bench_dense("Q8_0 [8192 -> 4096] wo_b" + how, DType::Q8_0, 8192, 4096, bw, rng, rows);
+      bench_dense("Q8_0 [1024 -> 32768] q_b tall" + how, DType::Q8_0, 1024, 32768, bw, rng, rows,
+                  {g::kMatvecStagedMin}, true);
+      bench_dense("Q8_0 [4096 -> 129280] lm head tall" + how, DType::Q8_0, 4096, 129280, bw, rng, rows,
+                  {g::kMatvecStagedMin}, true);
+      bench_grouped("grouped Q4_K [4096 -> 2048] x256" + how, DType::Q4_K, 4096, 2048, 256, bw, rng, rows);
+      bench_grouped("grouped Q4_K [2048 -> 4096] x256" + how, DType::Q4_K, 2048, 4096, 256, bw, rng, rows);
+    }
+    g::set_matvec_chunked(true);
+  } else if (mode == kBenchStaged) {
     // The DS4-Flash dense shapes (q_a and one wo_a group, q_b, wo_b, the shared expert's gate and
     // down, a compressor, the LM head), each on the direct and on the staged kernel (staged from
     // one column here, to see where it pays).
@@ -785,7 +804,8 @@ int run_check(uint64_t seed, bool quick) {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool check = false, quick = false, bench = false, decode = false, staged_bench = false;
+  bool check = false, quick = false, bench = false, decode = false;
+  BenchMode mode = kBenchDefault;
   const char* json = nullptr;
   uint64_t seed = static_cast<uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count());
   for (int i = 1; i < argc; ++i) {
@@ -793,13 +813,15 @@ int main(int argc, char** argv) {
     if (a == "--check") check = true;
     else if (a == "--quick") check = quick = true;
     else if (a == "--bench") bench = true;
-    else if (a == "--bench-staged") bench = staged_bench = true;
+    else if (a == "--bench-staged") bench = true, mode = kBenchStaged;
+    else if (a == "--bench-chunked") bench = true, mode = kBenchChunked;
     else if (a == "--decode") decode = true;
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
       std::fprintf(stderr,
-                   "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged [--json FILE]] [--seed N]\n");
+                   "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged | --bench-chunked [--json FILE]] "
+                   "[--seed N]\n");
       return 2;
     }
   }
@@ -817,7 +839,7 @@ int main(int argc, char** argv) {
     if (check) rc |= run_check(seed, quick);
     if (bench) {
       Rng rng(seed + 1);
-      rc |= run_bench(json, rng, staged_bench);
+      rc |= run_bench(json, rng, mode);
     }
     return rc;
   } catch (const std::exception& e) {
