@@ -38,5 +38,6 @@ void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, 
                     int64_t ldy, int64_t r0, int64_t r1);
 void matmul_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
                ThreadPool& pool);
+void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& pool);
 
 }  // namespace ds4::cpu

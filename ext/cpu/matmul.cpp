@@ -1,14 +1,18 @@
 // Weight-reuse matrix products: Y[c][r] = sum_k W[r][k] * X[c][k] for 1..N activation columns.
 //
-// Per row, the weights are decoded one group of kGroup (256) elements at a time into an L1
-// buffer, and that group is applied to every column before the next group is decoded: a weight
-// block is read and dequantized once per step, not once per column.
+// A weight block is read and decoded once per row and call, then applied to every column of a
+// tile (up to 3 columns whose accumulators stay in registers): never once per column.
 //
-// Exactness: each column owns 32 fp32 accumulator lanes; element k of the row is accumulated
-// into lane k % 32, in increasing k, and the lanes are reduced by one fixed tree at the end of
-// the row. Nothing in that sequence depends on ncols, on how columns are tiled, or on how rows
-// are split between threads, so every column is bit-identical to a single-column call.
-// Scalar path: acc += w * x (two roundings). AVX2 path: acc = fma(w, x, acc) (one rounding).
+// Exactness: a column's result depends on the row and that column only. Nothing in its sequence
+// of operations depends on ncols, on how columns are tiled, on how rows are split between threads
+// or on which other products share a matmul_batch, so every column is bit-identical to a
+// single-column call. The weights are decoded to fp32 (the values gguf.quants gives) and each
+// column owns 32 fp32 accumulator lanes; element k of the row goes into lane k % 32, in
+// increasing k, and the lanes are reduced by one fixed tree at the end of the row. Scalar path:
+// acc += w * x (two roundings). AVX2 path: acc = fma(w, x, acc). The AVX2 path decodes 32-element
+// chunks straight into registers (fused) when the row width is a multiple of 32, else it decodes
+// groups of kGroup elements into an L1 buffer (buffered, which owns the zero-padded tail); the two
+// are the same arithmetic, bit for bit.
 //
 // Work per call: rows x cols weight elements read once; ncols x rows x cols multiply-adds.
 #include <immintrin.h>
@@ -18,6 +22,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <vector>
 
 #include "dispatch.h"
@@ -49,6 +54,13 @@ SimdPath choose_path() {
 
 constexpr int kLanes = 32;
 constexpr int kRowBlock = 4;
+// A chunk of a product worth a thread: 8k multiply-adds (0.4-1 us), a few times the cost of
+// handing it to a spinning worker; smaller products stay on the calling thread.
+constexpr int64_t kMatmulGrain = int64_t{1} << 13;
+
+// The columns of one product, as MatmulJob describes them.
+inline const float* col_x(const MatmulJob& j, int c) { return j.x_cols ? j.x_cols[c] : j.X + c * j.ldx; }
+inline float* col_y(const MatmulJob& j, int c) { return j.y_cols ? j.y_cols[c] : j.Y + c * j.ldy; }
 
 // The fixed reduction tree over one column's 32 lanes; the AVX2 reduce below mirrors it exactly.
 float reduce_scalar(const float* a) {
@@ -111,34 +123,71 @@ DS4_AVX2 void accumulate_avx2(const float* w, int64_t len, const float* const* x
     for (int q = 0; q < 4; ++q) _mm256_storeu_ps(accs[t] + 8 * q, a[t][q]);
 }
 
-DS4_AVX2 void accumulate_columns_avx2(const float* w, int64_t len, const float* X, int ncols, int64_t ldx,
-                                      int64_t k0, float* acc) {
+DS4_AVX2 void accumulate_columns_avx2(const float* w, int64_t len, const MatmulJob& j, int64_t k0, float* acc) {
   int c = 0;
-  for (; c + 3 <= ncols; c += 3) {
-    const float* xs[3] = {X + c * ldx + k0, X + (c + 1) * ldx + k0, X + (c + 2) * ldx + k0};
+  for (; c + 3 <= j.ncols; c += 3) {
+    const float* xs[3] = {col_x(j, c) + k0, col_x(j, c + 1) + k0, col_x(j, c + 2) + k0};
     float* as[3] = {acc + c * kLanes, acc + (c + 1) * kLanes, acc + (c + 2) * kLanes};
     accumulate_avx2<3>(w, len, xs, as);
   }
-  if (ncols - c == 2) {
-    const float* xs[2] = {X + c * ldx + k0, X + (c + 1) * ldx + k0};
+  if (j.ncols - c == 2) {
+    const float* xs[2] = {col_x(j, c) + k0, col_x(j, c + 1) + k0};
     float* as[2] = {acc + c * kLanes, acc + (c + 1) * kLanes};
     accumulate_avx2<2>(w, len, xs, as);
-  } else if (ncols - c == 1) {
-    const float* xs[1] = {X + c * ldx + k0};
+  } else if (j.ncols - c == 1) {
+    const float* xs[1] = {col_x(j, c) + k0};
     float* as[1] = {acc + c * kLanes};
     accumulate_avx2<1>(w, len, xs, as);
   }
 }
 
+// The buffered path: kRowBlock rows advance together, group by group, so the group's slice of
+// the columns (ncols x 1 KiB) is loaded into L1 once for all of them.
+void buffered_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
+  const TensorView& W = j.W;
+  const int ncols = j.ncols;
+  const int64_t n = W.ne[0];
+  const int64_t row_bytes = W.row_bytes();
+  const int64_t group_bytes = kGroup / block_elems(W.type) * block_bytes(W.type);
+  // Per-thread scratch: reused across calls so the hot path does not allocate.
+  thread_local std::vector<float> acc_buf;
+  acc_buf.resize(static_cast<size_t>(kRowBlock) * ncols * kLanes);
+  alignas(32) float wbuf[kRowBlock][kGroup];
+  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
+    const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - rb));
+    std::fill(acc_buf.begin(), acc_buf.begin() + static_cast<size_t>(nr) * ncols * kLanes, 0.0f);
+    for (int64_t k0 = 0; k0 < n; k0 += kGroup) {
+      const int64_t len = std::min<int64_t>(kGroup, n - k0);
+      for (int i = 0; i < nr; ++i) {
+        const uint8_t* src = W.data + (rb + i) * row_bytes + k0 / kGroup * group_bytes;
+        const float* w = wbuf[i];
+        if (W.type == DType::F32 && len == kGroup) {
+          w = reinterpret_cast<const float*>(src);  // already fp32: no copy
+        } else {
+          decode(p, W.type, src, wbuf[i], len);
+          std::fill(wbuf[i] + len, wbuf[i] + kGroup, 0.0f);
+        }
+        float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
+        if (p == SimdPath::Avx2) {
+          accumulate_columns_avx2(w, len, j, k0, acc);
+        } else {
+          for (int c = 0; c < ncols; ++c) accumulate_scalar(w, len, col_x(j, c) + k0, acc + c * kLanes);
+        }
+      }
+    }
+    for (int i = 0; i < nr; ++i) {
+      const float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
+      for (int c = 0; c < ncols; ++c)
+        col_y(j, c)[rb + i] = p == SimdPath::Avx2 ? reduce_avx2(acc + c * kLanes) : reduce_scalar(acc + c * kLanes);
+    }
+  }
+}
+
 // --- fused decode + FMA ---------------------------------------------------------------------------
-// The 32-element chunks of a row are decoded straight into registers and applied to a tile of up
-// to 3 columns whose accumulators stay in registers for the whole row: no decode buffer, no
-// accumulator reloads. A chunk is decoded once per tile, which costs less than storing it and
-// loading it back once per column (measured: 1.4-1.8x the buffered path's speed at 4-16 columns,
-// and a 1-column decode step of the tiny model went from 0.725 to 0.397 ms; docs/performance.md). The arithmetic is the buffered path's exactly (the same decoded
-// values, element k into lane k % 32 in increasing k, the same reduction), so the two paths are
-// interchangeable bit for bit; rows whose width is not a multiple of 32 take the buffered path,
-// which owns the zero-padded tail.
+// The 32-element chunks of a row are decoded straight into registers and applied to a tile of
+// columns whose accumulators stay in registers for the whole row: no decode buffer, no
+// accumulator reloads (measured: 1.4-1.8x the buffered path's speed at 4-16 columns, and a
+// 1-column decode step of the tiny model went from 0.725 to 0.397 ms; docs/performance.md).
 
 inline uint16_t load_u16(const uint8_t* p) {
   uint16_t v;
@@ -229,9 +278,16 @@ DS4_AVX2 inline float reduce_regs(const __m256 a[4]) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
+// The 8 lanes of one register: (0+4, 1+5, 2+6, 3+7), then (0+2, 1+3), then 0+1.
+DS4_AVX2 inline float reduce8(__m256 a) {
+  const __m128 u = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  const __m128 v = _mm_add_ps(u, _mm_movehl_ps(u, u));
+  return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+
+// Columns xs[0..T), outputs ys[t][r]: the buffered path's arithmetic, decoding in registers.
 template <DType DT, int T>
-DS4_AVX2 void fused_rows(const TensorView& W, const float* X, int64_t ldx, float* Y, int64_t ldy, int64_t r0,
-                         int64_t r1) {
+DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* const* ys, int64_t r0, int64_t r1) {
   const int64_t n32 = W.ne[0] / 32;
   const int64_t row_bytes = W.row_bytes();
   for (int64_t r = r0; r < r1; ++r) {
@@ -241,14 +297,11 @@ DS4_AVX2 void fused_rows(const TensorView& W, const float* X, int64_t ldx, float
       for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_setzero_ps();
     auto apply = [&](const __m256 w[4], int64_t s) DS4_AVX2 {
       for (int t = 0; t < T; ++t) {
-        const float* x = X + t * ldx + 32 * s;
+        const float* x = xs[t] + 32 * s;
         for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(x + 8 * q), acc[t][q]);
       }
     };
     if constexpr (DT == DType::Q4_K) {
-      // Per 256-element block, per 32 bytes of nibbles: sub-block 2c from the low nibbles, then
-      // 2c + 1 from the high ones, their scales and mins computed together (no per-chunk branch
-      // on the nibble half; measured 11.6 -> 13.2 elements/ns on a 1-column 256x256 matvec).
       const __m128i low4 = _mm_set1_epi8(0x0f);
       for (int64_t b = 0; b < n32 / 8; ++b) {
         const uint8_t* blk = row + 144 * b;
@@ -280,31 +333,58 @@ DS4_AVX2 void fused_rows(const TensorView& W, const float* X, int64_t ldx, float
         apply(w, s);
       }
     }
-    for (int t = 0; t < T; ++t) Y[t * ldy + r] = reduce_regs(acc[t]);
+    for (int t = 0; t < T; ++t) ys[t][r] = reduce_regs(acc[t]);
   }
 }
 
-template <DType DT>
-DS4_AVX2 void fused_dispatch_cols(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
-                                  int64_t r0, int64_t r1) {
-  // Tiles of 3 columns (the most whose accumulators fit the 16 ymm registers), then 1 or 2.
-  int c = 0;
-  for (; ncols - c >= 3; c += 3) fused_rows<DT, 3>(W, X + c * ldx, ldx, Y + c * ldy, ldy, r0, r1);
-  if (ncols - c == 2) fused_rows<DT, 2>(W, X + c * ldx, ldx, Y + c * ldy, ldy, r0, r1);
-  if (ncols - c == 1) fused_rows<DT, 1>(W, X + c * ldx, ldx, Y + c * ldy, ldy, r0, r1);
+// f(integral_constant<T>, c) for tiles [c, c + T) covering ncols columns: as few tiles as kMax
+// allows, their widths differing by at most one (6 columns at kMax 4: 3 + 3, not 4 + 2). Columns
+// of a tile share one decode of each block; the width never changes a column's arithmetic.
+template <int N, class F>
+void tile_of_width(int width, int c, F& f) {
+  if constexpr (N >= 1) {
+    if (width == N)
+      f(std::integral_constant<int, N>{}, c);
+    else
+      tile_of_width<N - 1>(width, c, f);
+  }
+}
+
+template <int kMax, class F>
+void for_tiles(int ncols, F&& f) {
+  const int tiles = (ncols + kMax - 1) / kMax;
+  for (int i = 0, c = 0; i < tiles; ++i) {
+    const int width = ncols / tiles + (i < ncols % tiles ? 1 : 0);
+    tile_of_width<kMax>(width, c, f);
+    c += width;
+  }
+}
+
+// The product's columns in tiles of up to kMax, each tile through rows_kernel<DT, T>.
+template <DType DT, int kMax>
+void run_tiles(const MatmulJob& j, int64_t r0, int64_t r1) {
+  for_tiles<kMax>(j.ncols, [&](auto tile, int c) {
+    constexpr int T = decltype(tile)::value;
+    const float* xs[T];
+    float* ys[T];
+    for (int t = 0; t < T; ++t) {
+      xs[t] = col_x(j, c + t);
+      ys[t] = col_y(j, c + t);
+    }
+    fused_rows_t<DT, T>(j.W, xs, ys, r0, r1);
+  });
 }
 
 // Runs the fused path when it applies (AVX2 caller, rows of whole 32s); false otherwise.
-bool fused_matmul_rows(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
-                       int64_t r0, int64_t r1) {
-  if (W.ne[0] % 32 != 0) return false;
-  switch (W.type) {
-    case DType::F32: fused_dispatch_cols<DType::F32>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
-    case DType::F16: fused_dispatch_cols<DType::F16>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
-    case DType::BF16: fused_dispatch_cols<DType::BF16>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
-    case DType::Q8_0: fused_dispatch_cols<DType::Q8_0>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
-    case DType::Q4_K: fused_dispatch_cols<DType::Q4_K>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
-    case DType::MXFP4: fused_dispatch_cols<DType::MXFP4>(W, X, ncols, ldx, Y, ldy, r0, r1); return true;
+bool fused_rows(const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (j.W.ne[0] % 32 != 0) return false;
+  switch (j.W.type) {
+    case DType::F32: run_tiles<DType::F32, 3>(j, r0, r1); return true;
+    case DType::F16: run_tiles<DType::F16, 3>(j, r0, r1); return true;
+    case DType::BF16: run_tiles<DType::BF16, 3>(j, r0, r1); return true;
+    case DType::Q8_0: run_tiles<DType::Q8_0, 3>(j, r0, r1); return true;
+    case DType::Q4_K: run_tiles<DType::Q4_K, 3>(j, r0, r1); return true;
+    case DType::MXFP4: run_tiles<DType::MXFP4, 3>(j, r0, r1); return true;
     default: return false;
   }
 }
@@ -317,6 +397,24 @@ void check_view(const TensorView& W, int ncols) {
   if (ncols < 0) throw std::invalid_argument("matmul: negative column count");
 }
 
+// Rows [r0, r1) of one product, on path p.
+void job_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (j.ncols == 0 || r0 >= r1) return;
+  if (p == SimdPath::Avx2 && fused_rows(j, r0, r1)) return;
+  buffered_rows(p, j, r0, r1);
+}
+
+MatmulJob strided_job(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
+  MatmulJob j;
+  j.W = W;
+  j.ncols = ncols;
+  j.X = X;
+  j.ldx = ldx;
+  j.Y = Y;
+  j.ldy = ldy;
+  return j;
+}
+
 }  // namespace
 
 SimdPath active_path() {
@@ -327,58 +425,40 @@ SimdPath active_path() {
 void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y,
                     int64_t ldy, int64_t r0, int64_t r1) {
   check_view(W, ncols);
-  if (ncols == 0 || r0 >= r1) return;
-  if (p == SimdPath::Avx2 && fused_matmul_rows(W, X, ncols, ldx, Y, ldy, r0, r1)) return;
-  const int64_t n = W.ne[0];
-  const int64_t row_bytes = W.row_bytes();
-  const int64_t group_bytes = kGroup / block_elems(W.type) * block_bytes(W.type);
-  // Per-thread scratch: reused across calls so the hot path does not allocate.
-  thread_local std::vector<float> acc_buf;
-  acc_buf.resize(static_cast<size_t>(kRowBlock) * ncols * kLanes);
-  alignas(32) float wbuf[kRowBlock][kGroup];
+  job_rows(p, strided_job(W, X, ncols, ldx, Y, ldy), r0, r1);
+}
 
-  // kRowBlock rows advance together, group by group, so the group's slice of X (ncols x 1 KiB)
-  // is loaded into L1 once for all of them instead of streaming X from L2 once per row.
-  for (int64_t rb = r0; rb < r1; rb += kRowBlock) {
-    const int nr = static_cast<int>(std::min<int64_t>(kRowBlock, r1 - rb));
-    std::fill(acc_buf.begin(), acc_buf.begin() + static_cast<size_t>(nr) * ncols * kLanes, 0.0f);
-    for (int64_t k0 = 0; k0 < n; k0 += kGroup) {
-      const int64_t len = std::min<int64_t>(kGroup, n - k0);
-      for (int i = 0; i < nr; ++i) {
-        const uint8_t* src = W.data + (rb + i) * row_bytes + k0 / kGroup * group_bytes;
-        const float* w = wbuf[i];
-        if (W.type == DType::F32 && len == kGroup) {
-          w = reinterpret_cast<const float*>(src);  // already fp32: no copy
-        } else {
-          decode(p, W.type, src, wbuf[i], len);
-          std::fill(wbuf[i] + len, wbuf[i] + kGroup, 0.0f);
-        }
-        float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
-        if (p == SimdPath::Avx2) {
-          accumulate_columns_avx2(w, len, X, ncols, ldx, k0, acc);
-        } else {
-          for (int c = 0; c < ncols; ++c) accumulate_scalar(w, len, X + c * ldx + k0, acc + c * kLanes);
-        }
-      }
-    }
-    for (int i = 0; i < nr; ++i) {
-      const float* acc = acc_buf.data() + static_cast<size_t>(i) * ncols * kLanes;
-      for (int c = 0; c < ncols; ++c)
-        Y[c * ldy + rb + i] = p == SimdPath::Avx2 ? reduce_avx2(acc + c * kLanes) : reduce_scalar(acc + c * kLanes);
-    }
+void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
+  // One hand-off for all the products: the pool splits their rows, laid end to end and weighted
+  // by multiply-adds per row, into chunks of about equal work (a row is never split).
+  constexpr int kMaxJobs = 64;
+  if (n_jobs > kMaxJobs) throw std::invalid_argument("matmul_batch: more than 64 products");
+  int64_t start[kMaxJobs + 1];  // job i's work is [start[i], start[i + 1])
+  int64_t per_row[kMaxJobs];
+  start[0] = 0;
+  for (int i = 0; i < n_jobs; ++i) {
+    check_view(jobs[i].W, jobs[i].ncols);
+    per_row[i] = std::max<int64_t>(1, jobs[i].W.ne[0] * jobs[i].ncols);
+    start[i + 1] = start[i] + (jobs[i].ncols > 0 ? jobs[i].W.ne[1] * per_row[i] : 0);
   }
+  const int64_t total = start[n_jobs];
+  if (total == 0) return;
+  pool.parallel_for(total, kMatmulGrain, [&](int64_t b, int64_t e) {
+    // Row r of job i belongs to the chunk holding the first unit of its work.
+    for (int i = 0; i < n_jobs; ++i) {
+      if (start[i + 1] <= b || start[i] >= e) continue;
+      const int64_t rows = jobs[i].W.ne[1];
+      const int64_t r0 = std::clamp<int64_t>((b - start[i] + per_row[i] - 1) / per_row[i], 0, rows);
+      const int64_t r1 = std::clamp<int64_t>((e - start[i] + per_row[i] - 1) / per_row[i], 0, rows);
+      job_rows(p, jobs[i], r0, r1);
+    }
+  });
 }
 
 void matmul_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
                ThreadPool& pool) {
-  check_view(W, ncols);
-  const int64_t rows = W.ne[1];
-  if (ncols == 0 || rows == 0) return;
-  // A chunk worth a thread: 8k multiply-adds (0.4-1 us), a few times the cost of handing it to a
-  // spinning worker; smaller matrices stay on the calling thread.
-  const int64_t work_per_row = std::max<int64_t>(1, W.ne[0] * ncols);
-  const int64_t grain = std::max<int64_t>(1, (int64_t{1} << 13) / work_per_row);
-  pool.parallel_for(rows, grain, [&](int64_t r0, int64_t r1) { matmul_rows_on(p, W, X, ncols, ldx, Y, ldy, r0, r1); });
+  const MatmulJob j = strided_job(W, X, ncols, ldx, Y, ldy);
+  matmul_batch_on(p, &j, 1, pool);
 }
 
 }  // namespace cpu
@@ -390,6 +470,10 @@ void matmul_rows(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
 
 void matmul(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, ThreadPool& pool) {
   cpu::matmul_on(cpu::active_path(), W, X, ncols, ldx, Y, ldy, pool);
+}
+
+void matmul_batch(const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
+  cpu::matmul_batch_on(cpu::active_path(), jobs, n_jobs, pool);
 }
 
 }  // namespace ds4

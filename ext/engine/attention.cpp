@@ -1,17 +1,18 @@
 // Gathered attention with the sink column and the lightning indexer's selection.
 //
 // Two implementations of one arithmetic: a portable one and an AVX2+F16C one, picked by the
-// process's SIMD path (ext/cpu/dispatch.h). The AVX2 one converts key rows with F16C (exact, as
+// process's SIMD path (ops.h: use_avx2). The AVX2 one converts key rows with F16C (exact, as
 // the table is) and runs the dot products' 8 partial sums as the 8 lanes of one register, with
-// the same multiply, add and final tree as the portable code, so both give the same bits.
+// the same multiply, add and final tree as the portable code, so both give the same bits. For
+// head_dim a multiple of 16 it also works on 4 heads at a time (attend_heads_grouped), still
+// with each element's operations in the portable order.
 #include "attention.h"
 
 #include <immintrin.h>
 
 #include <algorithm>
 #include <cmath>
-
-#include "dispatch.h"
+#include <vector>
 
 #define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -70,11 +71,6 @@ struct Avx2 {
   static void axpy(float p, const float* k, float* o, int n) { axpy_avx2(p, k, o, n); }
 };
 
-bool use_avx2() {
-  static const bool avx2 = cpu::active_path() == cpu::SimdPath::Avx2;
-  return avx2;
-}
-
 template <class K>
 void attend_heads_impl(const LaneKeys& keys, const float* q, const float* sinks, int head_dim, int rope_dim,
                        const RopeTable& rope_t, float* logits, int64_t stride, float* out, int h0, int h1) {
@@ -106,6 +102,79 @@ void attend_heads_impl(const LaneKeys& keys, const float* q, const float* sinks,
   for (int h = h0; h < h1; ++h) rope_t.apply(out + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dim), true);
 }
 
+DS4_AVX2 inline __m256 half8(const uint16_t* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+
+// attend_heads_impl<Avx2> with the loops turned around, for head_dim a multiple of 16: each key
+// row is converted once per group of 4 heads instead of once per head, the 4 dot products run
+// side by side (each in its own register, as dot_avx2 runs one), and the output sums keep 4 heads
+// x 16 elements in registers across all keys instead of loading and storing them once per key.
+// Per element the operations and their order are dot_avx2's and axpy_avx2's: the same bits.
+DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const float* sinks, int head_dim,
+                                   int rope_dim, const RopeTable& rope_t, float* logits, int64_t stride, float* out,
+                                   int h0, int h1) {
+  const int n = keys.count();
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
+  thread_local std::vector<const uint16_t*> row_buf;
+  row_buf.resize(static_cast<size_t>(n));
+  const uint16_t** rows = row_buf.data();  // a plain pointer: no TLS lookup inside the loops
+  for (int i = 0; i < n; ++i) rows[i] = keys.key(i);
+  for (int hg = h0; hg < h1; hg += 4) {
+    const int nh = std::min(4, h1 - hg);
+    const float* qh[4];
+    for (int h = 0; h < 4; ++h) qh[h] = q + static_cast<int64_t>(hg + std::min(h, nh - 1)) * head_dim;
+    for (int i = 0; i < n; ++i) {
+      const uint16_t* k = rows[i];
+      __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+      for (int e = 0; e < head_dim; e += 8) {
+        const __m256 kv = half8(k + e);
+        for (int h = 0; h < 4; ++h) v[h] = _mm256_add_ps(v[h], _mm256_mul_ps(_mm256_loadu_ps(qh[h] + e), kv));
+      }
+      // dot_avx2's tree ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)) for the 4 heads at once.
+      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+      alignas(16) float r[4];
+      _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), _mm_set1_ps(scale)));
+      for (int h = 0; h < nh; ++h) logits[(hg + h) * stride + i] = r[h];
+    }
+  }
+  for (int h = h0; h < h1; ++h) {
+    float* l = logits + h * stride;
+    float mx = sinks[h];
+    for (int i = 0; i < n; ++i) mx = std::max(mx, l[i]);
+    float den = std::exp(sinks[h] - mx);
+    for (int i = 0; i < n; ++i) {
+      l[i] = std::exp(l[i] - mx);
+      den += l[i];
+    }
+    const float inv = 1.0f / den;
+    for (int i = 0; i < n; ++i) l[i] *= inv;
+  }
+  for (int hg = h0; hg < h1; hg += 4) {
+    const int nh = std::min(4, h1 - hg);
+    const float* ph[4];
+    for (int h = 0; h < 4; ++h) ph[h] = logits + (hg + std::min(h, nh - 1)) * stride;
+    for (int e = 0; e < head_dim; e += 16) {
+      __m256 o[4][2];
+      for (int h = 0; h < 4; ++h) o[h][0] = o[h][1] = _mm256_setzero_ps();
+      for (int i = 0; i < n; ++i) {
+        const __m256 k0 = half8(rows[i] + e), k1 = half8(rows[i] + e + 8);
+        for (int h = 0; h < 4; ++h) {
+          const __m256 pv = _mm256_broadcast_ss(ph[h] + i);
+          o[h][0] = _mm256_add_ps(o[h][0], _mm256_mul_ps(pv, k0));
+          o[h][1] = _mm256_add_ps(o[h][1], _mm256_mul_ps(pv, k1));
+        }
+      }
+      for (int h = 0; h < nh; ++h) {
+        float* oh = out + static_cast<int64_t>(hg + h) * head_dim + e;
+        _mm256_storeu_ps(oh, o[h][0]);
+        _mm256_storeu_ps(oh + 8, o[h][1]);
+      }
+    }
+  }
+  for (int h = h0; h < h1; ++h) rope_t.apply(out + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dim), true);
+}
+
 template <class K>
 void indexer_scores_impl(const PagedState& state, int layer, int slot, const float* q, const float* w, int n_heads,
                          int head_dim, int64_t s0, int64_t s1, float* scores) {
@@ -128,7 +197,9 @@ void indexer_scores_impl(const PagedState& state, int layer, int slot, const flo
 
 void attend_heads(const LaneKeys& keys, const float* q, const float* sinks, int head_dim, int rope_dim,
                   const RopeTable& rope_t, float* logits, int64_t stride, float* out, int h0, int h1) {
-  if (use_avx2())
+  if (use_avx2() && head_dim % 16 == 0)
+    attend_heads_grouped(keys, q, sinks, head_dim, rope_dim, rope_t, logits, stride, out, h0, h1);
+  else if (use_avx2())
     attend_heads_impl<Avx2>(keys, q, sinks, head_dim, rope_dim, rope_t, logits, stride, out, h0, h1);
   else
     attend_heads_impl<Portable>(keys, q, sinks, head_dim, rope_dim, rope_t, logits, stride, out, h0, h1);

@@ -1,10 +1,14 @@
 // mHC per lane (spec §3).
 #include "mhc.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 
 #include "ops.h"
+
+#define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace ds4 {
 
@@ -18,13 +22,47 @@ float state_rsqrt(const HcShape& s, const float* x) {
 
 constexpr int kChunk = 16;  // elements of a stream done together (vectorizable inner loops)
 
+// mix_streams and hc_post_lane below, 8 elements at a time: per element the same products and
+// sums in the same order (mul then add, never fused), so the same bits (ops.h: use_avx2).
+DS4_AVX2 int64_t mix_streams_avx2(int hc, int64_t d, const float* wt, const float* x, float* u) {
+  int64_t k = 0;
+  for (; k + 8 <= d; k += 8) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int i = 0; i < hc; ++i) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(wt[i]), _mm256_loadu_ps(x + i * d + k)));
+    _mm256_storeu_ps(u + k, acc);
+  }
+  return k;
+}
+
+DS4_AVX2 int64_t hc_post_avx2(int hc, int64_t d, float* x, const float* y, const float* post, const float* comb) {
+  int64_t e = 0;
+  __m256 old[kMaxHc];
+  for (; e + 8 <= d; e += 8) {
+    for (int j = 0; j < hc; ++j) old[j] = _mm256_loadu_ps(x + j * d + e);
+    const __m256 yv = _mm256_loadu_ps(y + e);
+    for (int k = 0; k < hc; ++k) {
+      __m256 acc = _mm256_mul_ps(_mm256_set1_ps(post[k]), yv);
+      for (int j = 0; j < hc; ++j) acc = _mm256_add_ps(acc, _mm256_mul_ps(_mm256_set1_ps(comb[j * hc + k]), old[j]));
+      _mm256_storeu_ps(x + k * d + e, acc);
+    }
+  }
+  return e;
+}
+
 // u[k] = Σ_i wt[i]·X[i][k], summed from 0.0f in stream order for each k.
 void mix_streams(int hc, int64_t d, const float* wt, const float* x, float* u) {
+  int64_t done = 0;
+  if (use_avx2()) done = mix_streams_avx2(hc, d, wt, x, u);
+  if (done == d) return;
+  x += done;
+  u += done;
+  const int64_t stride = d;
+  d -= done;
   for (int64_t k0 = 0; k0 < d; k0 += kChunk) {
     const int m = static_cast<int>(std::min<int64_t>(kChunk, d - k0));
     float acc[kChunk] = {};
     for (int i = 0; i < hc; ++i) {
-      const float* xi = x + i * d + k0;
+      const float* xi = x + i * stride + k0;
       for (int k = 0; k < m; ++k) acc[k] += wt[i] * xi[k];
     }
     for (int k = 0; k < m; ++k) u[k0 + k] = acc[k];
@@ -51,7 +89,8 @@ void hc_post_lane(const HcShape& s, float* x, const float* y, const float* post,
   // Per element e: X[k][e] = post_k·y[e], then + comb[j][k]·X_old[j][e] for j in order. Done
   // kChunk elements at a time (old values copied first, since X is updated in place).
   float old[kMaxHc][kChunk];
-  for (int64_t e0 = 0; e0 < d; e0 += kChunk) {
+  const int64_t done = use_avx2() ? hc_post_avx2(hc, d, x, y, post, comb) : 0;
+  for (int64_t e0 = done; e0 < d; e0 += kChunk) {
     const int m = static_cast<int>(std::min<int64_t>(kChunk, d - e0));
     for (int j = 0; j < hc; ++j)
       for (int e = 0; e < m; ++e) old[j][e] = x[j * d + e0 + e];

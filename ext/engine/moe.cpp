@@ -9,6 +9,10 @@
 
 namespace ds4 {
 
+namespace {
+constexpr int kMaxBatchJobs = 64;  // matmul_batch's limit
+}  // namespace
+
 void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, const float* logits,
                 int32_t* ids, float* weights) {
   const int E = cfg.n_expert, K = cfg.n_expert_used;
@@ -54,8 +58,17 @@ void swiglu(float* g, const float* u, int64_t n, float limit) {
   }
 }
 
+MoeLists::MoeLists(const ModelConfig& cfg, int max_rows)
+    : pair_lane(static_cast<size_t>(cfg.n_expert_used) * max_rows),
+      pair_slot(static_cast<size_t>(cfg.n_expert_used) * max_rows),
+      expert_first(cfg.n_expert + 1),
+      x_cols(max_rows),
+      y_cols(max_rows) {
+  jobs.reserve(kMaxBatchJobs);
+}
+
 void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n, const int32_t* tokens, Scratch& sc,
-                 ThreadPool& pool) {
+                 MoeLists& lists, ThreadPool& pool) {
   const int64_t d = cfg.n_embd, F = cfg.expert_ffn;
   const int E = cfg.n_expert, K = cfg.n_expert_used;
   matmul(L.gate_inp, sc.u, n, d, sc.router, E, pool);
@@ -64,48 +77,104 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
     route_lane(cfg, L, hash, tokens[i], sc.router + static_cast<int64_t>(i) * E, sc.sel_id + static_cast<int64_t>(i) * K,
                sc.sel_w + static_cast<int64_t>(i) * K);
 
-  const float lim_exp = cfg.swiglu_clamp_exp[layer], lim_sh = cfg.swiglu_clamp_shexp[layer];
-  // Per expert, its (lane, selection index) pairs in lane order, run in chunks of at most
-  // kChunk columns (a hash table may name an expert twice for one token, so an expert can have
-  // more pairs than lanes). Chunking cannot change a column's arithmetic.
-  constexpr int kChunk = 64;
-  const int chunk = std::min(kChunk, sc.rows);
-  int32_t lane_of[kChunk], slot_of[kChunk];
-  const int64_t n_pairs = static_cast<int64_t>(n) * K;
-  for (int e = 0; e < E; ++e) {
-    int64_t next = 0;
-    while (next < n_pairs) {
-      int cnt = 0;
-      for (; next < n_pairs && cnt < chunk; ++next) {
-        if (sc.sel_id[next] != e) continue;
-        lane_of[cnt] = static_cast<int32_t>(next / K);
-        slot_of[cnt] = static_cast<int32_t>(next % K);
-        ++cnt;
-      }
-      if (cnt == 0) break;
-      for (int c = 0; c < cnt; ++c) std::memcpy(sc.ex_in + c * d, sc.u + lane_of[c] * d, sizeof(float) * d);
-      matmul(L.gate_exps.expert(e), sc.ex_in, cnt, d, sc.ex_gate, F, pool);
-      matmul(L.up_exps.expert(e), sc.ex_in, cnt, d, sc.ex_up, F, pool);
-      for (int c = 0; c < cnt; ++c) swiglu(sc.ex_gate + c * F, sc.ex_up + c * F, F, lim_exp);
-      matmul(L.down_exps.expert(e), sc.ex_gate, cnt, F, sc.ex_down, d, pool);
-      for (int c = 0; c < cnt; ++c) {
-        // The router weight scales the expert's output, after the down projection.
-        const int64_t i = lane_of[c], k = slot_of[c];
-        const float wk = sc.sel_w[i * K + k];
-        float* dst = sc.ex_out + (i * K + k) * d;
-        const float* src = sc.ex_down + c * d;
-        for (int64_t x = 0; x < d; ++x) dst[x] = wk * src[x];
-      }
+  // The (lane, selection index) pairs of each expert, in lane order (a hash table may name an
+  // expert twice for one token, so an expert can have more pairs than lanes).
+  const int n_pairs = n * K;
+  int32_t* pair_lane = lists.pair_lane.data();
+  int32_t* pair_slot = lists.pair_slot.data();
+  int32_t* first = lists.expert_first.data();
+  for (int e = 0, m = 0; e < E; ++e) {
+    first[e] = m;
+    for (int p = 0; p < n_pairs; ++p) {
+      if (sc.sel_id[p] != e) continue;
+      pair_lane[m] = p / K;
+      pair_slot[m] = p % K;
+      ++m;
     }
   }
+  first[E] = n_pairs;
 
+  const float lim_exp = cfg.swiglu_clamp_exp[layer], lim_sh = cfg.swiglu_clamp_shexp[layer];
   const bool shared = cfg.n_expert_shared == 1;
-  if (shared) {
-    matmul(L.gate_sh, sc.u, n, d, sc.ex_gate, F, pool);
-    matmul(L.up_sh, sc.u, n, d, sc.ex_up, F, pool);
-    for (int i = 0; i < n; ++i) swiglu(sc.ex_gate + i * F, sc.ex_up + i * F, F, lim_sh);
-    matmul(L.down_sh, sc.ex_gate, n, F, sc.ex_down, d, pool);
+  // Buffers: routed pair j of a round has its gate and up rows at ex_gate/ex_up + j*F (at most
+  // sc.rows pairs a round, so there may be several rounds). The shared expert's rows: ex_in (gate)
+  // and ex_down (up, then its down output) when F <= d, which leaves it in the first round;
+  // otherwise it takes a round of its own in ex_gate/ex_up.
+  const bool shared_aside = shared && F <= d;
+  std::vector<MatmulJob>& jobs = lists.jobs;
+  auto add = [&](const TensorView& W, int ncols, const float* X, int64_t ldx, const float* const* xc, float* Y,
+                 int64_t ldy, float* const* yc) {
+    MatmulJob j;
+    j.W = W;
+    j.ncols = ncols;
+    j.X = X;
+    j.ldx = ldx;
+    j.x_cols = xc;
+    j.Y = Y;
+    j.ldy = ldy;
+    j.y_cols = yc;
+    jobs.push_back(j);
+  };
+
+  int next = 0;  // first pair of the next round
+  bool shared_done = !shared;
+  while (next < n_pairs || !shared_done) {
+    const bool shared_now = !shared_done && (shared_aside || next >= n_pairs);
+    const int round_first = next;
+    const int cap = sc.rows;
+    int count = 0;
+    // Gate and up products: each expert's pairs of this round as one product (at most 31
+    // experts a round, so that with the shared expert a batch holds at most 64 products).
+    jobs.clear();
+    int experts = 0;
+    if (!(shared_now && !shared_aside)) {
+      for (int e = 0; e < E && count < cap; ++e) {
+        const int b = std::max(first[e], round_first), end = std::min(first[e + 1], round_first + cap);
+        if (b >= end) continue;
+        if (experts == 31) break;
+        ++experts;
+        for (int m = b; m < end; ++m) lists.x_cols[m - round_first] = sc.u + static_cast<int64_t>(pair_lane[m]) * d;
+        const int64_t row0 = b - round_first;
+        add(L.gate_exps.expert(e), end - b, nullptr, 0, &lists.x_cols[row0], sc.ex_gate + row0 * F, F, nullptr);
+        add(L.up_exps.expert(e), end - b, nullptr, 0, &lists.x_cols[row0], sc.ex_up + row0 * F, F, nullptr);
+        count += end - b;
+        next = end;
+      }
+    }
+    float* sh_gate = shared_aside ? sc.ex_in : sc.ex_gate;
+    float* sh_up = shared_aside ? sc.ex_down : sc.ex_up;
+    if (shared_now) {
+      add(L.gate_sh, n, sc.u, d, nullptr, sh_gate, F, nullptr);
+      add(L.up_sh, n, sc.u, d, nullptr, sh_up, F, nullptr);
+    }
+    matmul_batch(jobs.data(), static_cast<int>(jobs.size()), pool);
+
+    for (int j = 0; j < count; ++j) swiglu(sc.ex_gate + j * F, sc.ex_up + j * F, F, lim_exp);
+    if (shared_now)
+      for (int i = 0; i < n; ++i) swiglu(sh_gate + i * F, sh_up + i * F, F, lim_sh);
+
+    // Down products, straight into each pair's row of ex_out; the router weight scales the
+    // expert's output after the down projection, in place.
+    jobs.clear();
+    for (int e = 0; e < E; ++e) {
+      const int b = std::max(first[e], round_first), end = std::min(first[e + 1], round_first + count);
+      if (b >= end) continue;
+      for (int m = b; m < end; ++m)
+        lists.y_cols[m - round_first] = sc.ex_out + (static_cast<int64_t>(pair_lane[m]) * K + pair_slot[m]) * d;
+      const int64_t row0 = b - round_first;
+      add(L.down_exps.expert(e), end - b, sc.ex_gate + row0 * F, F, nullptr, nullptr, 0, &lists.y_cols[row0]);
+    }
+    if (shared_now) add(L.down_sh, n, sh_gate, F, nullptr, sc.ex_down, d, nullptr);
+    matmul_batch(jobs.data(), static_cast<int>(jobs.size()), pool);
+    for (int m = round_first; m < round_first + count; ++m) {
+      const int64_t i = pair_lane[m], k = pair_slot[m];
+      const float wk = sc.sel_w[i * K + k];
+      float* dst = sc.ex_out + (i * K + k) * d;
+      for (int64_t x = 0; x < d; ++x) dst[x] = wk * dst[x];
+    }
+    if (shared_now) shared_done = true;
   }
+
   for (int64_t i = 0; i < n; ++i) {
     float* y = sc.y + i * d;
     const float* ex = sc.ex_out + i * K * d;

@@ -1,11 +1,35 @@
 // Small fp32 operations of the DS4 step (see ops.h for the numerics contract).
+//
+// The hot per-lane loops have an AVX2 twin (function-level target attributes, picked by the
+// process's SIMD path, ext/cpu/dispatch.h) that performs the very same IEEE operations in the same
+// order, only several elements at a time: the same bits either way. The engine's files are built
+// for baseline x86-64 (the module must load on any CPU), so without a twin these run on SSE2.
 #include "ops.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
+#define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
+
 namespace ds4 {
+
+bool use_avx2() {
+  // The rule of ext/cpu's SIMD path (dispatch.h), restated so that this file builds on its own
+  // (tests/test_native_engine.py compiles it alone): DS4_SIMD=scalar, or a CPU without
+  // AVX2+FMA+F16C, keeps every loop portable.
+  static const bool avx2 = [] {
+    const char* env = std::getenv("DS4_SIMD");
+    if (env && std::string(env) == "scalar") return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
+  }();
+  return avx2;
+}
 
 uint16_t f32_to_f16(float f) {
   uint32_t x;
@@ -76,7 +100,40 @@ void round_f16(float* x, int64_t n) {
   for (int64_t i = 0; i < n; ++i) x[i] = t[f32_to_f16(x[i])];
 }
 
+namespace {
+
+// The four chains of sum_squares as the four double lanes of one register.
+DS4_AVX2 double sum_squares_avx2(const float* x, int64_t n) {
+  __m256d acc = _mm256_setzero_pd();
+  int64_t i = 0;
+  for (; i + 4 <= n; i += 4) {
+    const __m256d v = _mm256_cvtps_pd(_mm_loadu_ps(x + i));
+    acc = _mm256_add_pd(acc, _mm256_mul_pd(v, v));
+  }
+  alignas(32) double s[4];
+  _mm256_store_pd(s, acc);
+  for (; i < n; ++i) s[i & 3] += static_cast<double>(x[i]) * x[i];
+  return (s[0] + s[1]) + (s[2] + s[3]);
+}
+
+// y = (x * r) * w, 8 at a time.
+DS4_AVX2 void scale_avx2(const float* x, float r, const float* w, float* y, int64_t n) {
+  const __m256 rv = _mm256_set1_ps(r);
+  int64_t i = 0;
+  if (w) {
+    for (; i + 8 <= n; i += 8)
+      _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(x + i), rv), _mm256_loadu_ps(w + i)));
+    for (; i < n; ++i) y[i] = x[i] * r * w[i];
+  } else {
+    for (; i + 8 <= n; i += 8) _mm256_storeu_ps(y + i, _mm256_mul_ps(_mm256_loadu_ps(x + i), rv));
+    for (; i < n; ++i) y[i] = x[i] * r;
+  }
+}
+
+}  // namespace
+
 double sum_squares(const float* x, int64_t n) {
+  if (use_avx2()) return sum_squares_avx2(x, n);
   double s[4] = {0.0, 0.0, 0.0, 0.0};
   int64_t i = 0;
   for (; i + 4 <= n; i += 4)
@@ -88,7 +145,9 @@ double sum_squares(const float* x, int64_t n) {
 void rms_norm(const float* x, const float* w, float* y, int64_t n, float eps) {
   const double ss = sum_squares(x, n);
   const float r = static_cast<float>(1.0 / std::sqrt(ss / static_cast<double>(n) + eps));
-  if (w) {
+  if (use_avx2()) {
+    scale_avx2(x, r, w, y, n);
+  } else if (w) {
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r * w[i];
   } else {
     for (int64_t i = 0; i < n; ++i) y[i] = x[i] * r;
@@ -185,6 +244,41 @@ void fp4_round_trip(float* x, int64_t n) {
   }
 }
 
+namespace {
+
+// The 4 x 4 Sinkhorn normalizations (hc_mult = 4, DS4's) on rows held in SSE registers, after the
+// row softmax: each sum is still ((0 + a) + b) + c) + d in the scalar loops' order, each
+// quotient the same division. Column sums add the rows; row sums add the columns of the
+// transposed matrix, where the row division is done too.
+DS4_AVX2 void sinkhorn4_avx2(float* c, int iters, float eps) {
+  __m128 r0 = _mm_loadu_ps(c), r1 = _mm_loadu_ps(c + 4), r2 = _mm_loadu_ps(c + 8), r3 = _mm_loadu_ps(c + 12);
+  const __m128 e = _mm_set1_ps(eps), zero = _mm_setzero_ps();
+  auto col_normalize = [&]() DS4_AVX2 {
+    const __m128 d = _mm_add_ps(_mm_add_ps(_mm_add_ps(_mm_add_ps(_mm_add_ps(zero, r0), r1), r2), r3), e);
+    r0 = _mm_div_ps(r0, d);
+    r1 = _mm_div_ps(r1, d);
+    r2 = _mm_div_ps(r2, d);
+    r3 = _mm_div_ps(r3, d);
+  };
+  col_normalize();
+  for (int it = 1; it < iters; ++it) {
+    _MM_TRANSPOSE4_PS(r0, r1, r2, r3);  // r_k = column k: lane j holds row j's element k
+    const __m128 d = _mm_add_ps(_mm_add_ps(_mm_add_ps(_mm_add_ps(_mm_add_ps(zero, r0), r1), r2), r3), e);
+    r0 = _mm_div_ps(r0, d);
+    r1 = _mm_div_ps(r1, d);
+    r2 = _mm_div_ps(r2, d);
+    r3 = _mm_div_ps(r3, d);
+    _MM_TRANSPOSE4_PS(r0, r1, r2, r3);
+    col_normalize();
+  }
+  _mm_storeu_ps(c, r0);
+  _mm_storeu_ps(c + 4, r1);
+  _mm_storeu_ps(c + 8, r2);
+  _mm_storeu_ps(c + 12, r3);
+}
+
+}  // namespace
+
 void sinkhorn(float* c, int n, int iters, float eps) {
   auto col_normalize = [&] {
     for (int k = 0; k < n; ++k) {
@@ -204,6 +298,10 @@ void sinkhorn(float* c, int n, int iters, float eps) {
       sum += row[k];
     }
     for (int k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
+  }
+  if (n == 4 && iters >= 1 && use_avx2()) {
+    sinkhorn4_avx2(c, iters, eps);
+    return;
   }
   col_normalize();
   for (int it = 1; it < iters; ++it) {

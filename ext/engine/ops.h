@@ -16,6 +16,11 @@ constexpr int kMaxRopeHalf = 256;  // rope_dim / 2
 constexpr int kMaxHc = 16;         // hc_mult
 constexpr int kMaxHeadDim = 4096;  // head_dim and index_head_dim
 
+// Whether this process runs the AVX2 twins of the loops in ops.cpp, mhc.cpp and attention.cpp
+// (the SIMD path of ext/cpu/dispatch.h, fixed per process). The twins give the same bits as the
+// portable loops.
+bool use_avx2();
+
 // IEEE binary16 <-> binary32, round to nearest even (what numpy's astype(float16) does).
 uint16_t f32_to_f16(float f);
 float f16_to_f32(uint16_t h);

@@ -77,4 +77,24 @@ void matmul_rows(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
 void matmul(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
             ThreadPool& pool);
 
+// One product of a matmul_batch: ys(c)[r] = dot(row r of W, xs(c)) for c < ncols, every row of W.
+// Column c is read from x_cols[c] when x_cols is set, else from X + c * ldx; its results go to
+// y_cols[c] when set, else to Y + c * ldy. (Pointer lists let a product read lanes scattered
+// through a buffer, e.g. the lanes routed to one expert, and write them anywhere.)
+struct MatmulJob {
+  TensorView W;
+  int ncols = 0;
+  const float* X = nullptr;
+  int64_t ldx = 0;
+  float* Y = nullptr;
+  int64_t ldy = 0;
+  const float* const* x_cols = nullptr;
+  float* const* y_cols = nullptr;
+};
+
+// Independent products (at most 64; no job may write what another reads) in one hand-off to the
+// pool: their rows are split between the threads together, so many small products cost one
+// wake-up instead of one each. Each column's bits are those of a single-column matmul.
+void matmul_batch(const MatmulJob* jobs, int n_jobs, ThreadPool& pool);
+
 }  // namespace ds4
