@@ -240,21 +240,6 @@ DS4_AVX2 inline void decode32(const uint8_t* row, int64_t s, __m256 w[4]) {
     const __m256 d = _mm256_set1_ps(half_scalar(load_u16(b)));
     for (int q = 0; q < 4; ++q)
       w[q] = _mm256_mul_ps(i8x8_to_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(b + 2 + 8 * q))), d);
-  } else if constexpr (DT == DType::Q4_K) {
-    const uint8_t* b = row + 144 * (s / 8);
-    const int j = static_cast<int>(s % 8);  // sub-block of 32 within the 256-element block
-    int sc, m;
-    q4k_scale_min(b + 4, j, &sc, &m);
-    const __m256 dl = _mm256_set1_ps(half_scalar(load_u16(b)) * static_cast<float>(sc));
-    const __m256 ml = _mm256_set1_ps(half_scalar(load_u16(b + 2)) * static_cast<float>(m));
-    const uint8_t* qs = b + 16 + 32 * (j / 2);
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    for (int q = 0; q < 4; ++q) {
-      __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
-      if (j & 1) raw = _mm_srli_epi16(raw, 4);
-      const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, low4)));
-      w[q] = _mm256_sub_ps(_mm256_mul_ps(dl, v), ml);
-    }
   } else if constexpr (DT == DType::MXFP4) {
     const uint8_t* b = row + 17 * s;
     const __m256 d = _mm256_set1_ps(e8m0_half(b[0]));
@@ -302,28 +287,45 @@ DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* c
       }
     };
     if constexpr (DT == DType::Q4_K) {
-      const __m128i low4 = _mm_set1_epi8(0x0f);
+      // Per 256-element block: the 8 scales and mins unpacked together (as ggml's AVX2 dot
+      // product does; d*sc and dmin*m are the products quant.cpp forms), then per 32 bytes of
+      // nibbles, 8 bytes at a time widened to 32-bit lanes: low nibbles (sub-block 2c) by a mask,
+      // high nibbles (2c+1) by a shift. A weight is fma(d*sc, q, -dmin*m): d*sc*q is exact in
+      // fp32 (11 + 6 + 4 significant bits), so the one rounding of the FMA is the rounding of
+      // quant.cpp's (d*sc)*q - dmin*m, and the weights are gguf's bit for bit. Each lane still
+      // takes its elements in increasing k (sub-block 2c's group q, then 2c+1's).
+      const __m256i low4 = _mm256_set1_epi32(0x0f);
+      constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
       for (int64_t b = 0; b < n32 / 8; ++b) {
         const uint8_t* blk = row + 144 * b;
-        const float d = half_scalar(load_u16(blk)), dmin = half_scalar(load_u16(blk + 2));
+        uint32_t u[4];
+        std::memcpy(u, blk + 4, 12);
+        u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+        const uint32_t m_lo = u[1] & kmask1;
+        u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+        u[2] = m_lo;
+        u[0] &= kmask1;  // bytes 0-7 of u: the 8 scales; bytes 8-15: the 8 mins
+        const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+        const __m256 d = _mm256_set1_ps(half_scalar(load_u16(blk)));
+        const __m256 dmin = _mm256_set1_ps(half_scalar(load_u16(blk + 2)));
+        alignas(32) float dl[8], nml[8];
+        _mm256_store_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+        const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+        _mm256_store_ps(nml, _mm256_xor_ps(ml, _mm256_set1_ps(-0.0f)));
+        const uint8_t* qs = blk + 16;
         for (int c = 0; c < 4; ++c) {
-          int sc0, m0, sc1, m1;
-          q4k_scale_min(blk + 4, 2 * c, &sc0, &m0);
-          q4k_scale_min(blk + 4, 2 * c + 1, &sc1, &m1);
-          const __m256 dl0 = _mm256_set1_ps(d * static_cast<float>(sc0)), ml0 = _mm256_set1_ps(dmin * static_cast<float>(m0));
-          const __m256 dl1 = _mm256_set1_ps(d * static_cast<float>(sc1)), ml1 = _mm256_set1_ps(dmin * static_cast<float>(m1));
-          const uint8_t* qs = blk + 16 + 32 * c;
-          __m256 w[4];
+          const __m256 dl0 = _mm256_broadcast_ss(dl + 2 * c), dl1 = _mm256_broadcast_ss(dl + 2 * c + 1);
+          const __m256 nml0 = _mm256_broadcast_ss(nml + 2 * c), nml1 = _mm256_broadcast_ss(nml + 2 * c + 1);
+          const int64_t k_lo = 256 * b + 64 * c, k_hi = k_lo + 32;
           for (int q = 0; q < 4; ++q) {
-            const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
-            w[q] = _mm256_sub_ps(_mm256_mul_ps(dl0, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(raw, low4)))), ml0);
+            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * c + 8 * q)));
+            const __m256 wlo = _mm256_fmadd_ps(dl0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), nml0);
+            const __m256 whi = _mm256_fmadd_ps(dl1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), nml1);
+            for (int t = 0; t < T; ++t) {
+              acc[t][q] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xs[t] + k_lo + 8 * q), acc[t][q]);
+              acc[t][q] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xs[t] + k_hi + 8 * q), acc[t][q]);
+            }
           }
-          apply(w, 8 * b + 2 * c);
-          for (int q = 0; q < 4; ++q) {
-            const __m128i raw = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 8 * q));
-            w[q] = _mm256_sub_ps(_mm256_mul_ps(dl1, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(raw, 4), low4)))), ml1);
-          }
-          apply(w, 8 * b + 2 * c + 1);
         }
       }
     } else {
