@@ -178,7 +178,13 @@ class PoolStats:
 
 @dataclass(frozen=True, slots=True)
 class StatsSnapshot:
-    """An immutable picture of the engine, cheap to take (the panel reads it up to 10×/s)."""
+    """An immutable picture of the engine, cheap to take (the panel reads it up to 10×/s).
+
+    Freshness (EngineService): the lanes, pool, rates and queue are those of the last full
+    snapshot, published whenever the set of lanes changes (admission, first token, finish, cancel,
+    eviction, preemption, the queue) and otherwise every 10 ms; the step counters are overlaid live,
+    so a read is at most the step in flight behind.
+    """
 
     time: float
     lanes: tuple[LaneStats, ...]
@@ -223,7 +229,9 @@ class EngineClient(Protocol):
         """Retire the request before the next step (no-op if already finished)."""
         ...
 
-    def stats(self) -> StatsSnapshot: ...
+    def stats(self) -> StatsSnapshot:
+        """The engine now (see StatsSnapshot for how fresh each part is)."""
+        ...
 
     def count_prompt_tokens(self, messages: Sequence[Message] | None, prompt: str | None,
                             thinking: bool = False) -> int:
