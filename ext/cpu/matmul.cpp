@@ -59,8 +59,8 @@ constexpr int kRowBlock = 4;
 constexpr int64_t kMatmulGrain = int64_t{1} << 13;
 
 // The columns of one product, as MatmulJob describes them.
-inline const float* col_x(const MatmulJob& j, int c) { return j.x_cols ? j.x_cols[c] : j.X + c * j.ldx; }
-inline float* col_y(const MatmulJob& j, int c) { return j.y_cols ? j.y_cols[c] : j.Y + c * j.ldy; }
+inline const float* col_x(const MatmulJob& j, int c) { return j.x(c); }
+inline float* col_y(const MatmulJob& j, int c) { return j.y(c); }
 
 // The fixed reduction tree over one column's 32 lanes; the AVX2 reduce below mirrors it exactly.
 float reduce_scalar(const float* a) {
@@ -399,11 +399,24 @@ void check_view(const TensorView& W, int ncols) {
   if (ncols < 0) throw std::invalid_argument("matmul: negative column count");
 }
 
-// Rows [r0, r1) of one product, on path p.
-void job_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
-  if (j.ncols == 0 || r0 >= r1) return;
+// Rows [r0, r1) of one product (W only), on path p.
+void product_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
   if (p == SimdPath::Avx2 && fused_rows(j, r0, r1)) return;
   buffered_rows(p, j, r0, r1);
+}
+
+// Rows [r0, r1) of a job: W, then W2 if any, then its after().
+void job_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (j.ncols == 0 || r0 >= r1) return;
+  product_rows(p, j, r0, r1);
+  if (j.W2.data) {
+    MatmulJob second = j;
+    second.W = j.W2;
+    second.Y = j.Y2;
+    second.y_cols = j.y2_cols;
+    product_rows(p, second, r0, r1);
+  }
+  if (j.after) j.after(j, r0, r1);
 }
 
 MatmulJob strided_job(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
@@ -440,7 +453,13 @@ void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& 
   start[0] = 0;
   for (int i = 0; i < n_jobs; ++i) {
     check_view(jobs[i].W, jobs[i].ncols);
-    per_row[i] = std::max<int64_t>(1, jobs[i].W.ne[0] * jobs[i].ncols);
+    const bool two = jobs[i].W2.data != nullptr;
+    if (two) {
+      check_view(jobs[i].W2, jobs[i].ncols);
+      if (jobs[i].W2.ne[0] != jobs[i].W.ne[0] || jobs[i].W2.ne[1] != jobs[i].W.ne[1])
+        throw std::invalid_argument("matmul_batch: W2 must have W's shape");
+    }
+    per_row[i] = std::max<int64_t>(1, jobs[i].W.ne[0] * jobs[i].ncols * (two ? 2 : 1));
     start[i + 1] = start[i] + (jobs[i].ncols > 0 ? jobs[i].W.ne[1] * per_row[i] : 0);
   }
   const int64_t total = start[n_jobs];

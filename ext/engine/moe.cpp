@@ -102,6 +102,27 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
   // otherwise it takes a round of its own in ex_gate/ex_up.
   const bool shared_aside = shared && F <= d;
   std::vector<MatmulJob>& jobs = lists.jobs;
+  // Gate and up of the same lanes as one paired product, SwiGLU'd into the gate rows chunk by
+  // chunk on the thread that computed them (ctx: the clamp limit).
+  auto add_glu = [&](const TensorView& Wg, const TensorView& Wu, int ncols, const float* X, int64_t ldx,
+                     const float* const* xc, float* gate, float* up, const float* limit) {
+    MatmulJob j;
+    j.W = Wg;
+    j.W2 = Wu;
+    j.ncols = ncols;
+    j.X = X;
+    j.ldx = ldx;
+    j.x_cols = xc;
+    j.Y = gate;
+    j.Y2 = up;
+    j.ldy = F;
+    j.ctx = limit;
+    j.after = [](const MatmulJob& jb, int64_t r0, int64_t r1) {
+      const float lim = *static_cast<const float*>(jb.ctx);
+      for (int c = 0; c < jb.ncols; ++c) swiglu(jb.y(c) + r0, jb.y2(c) + r0, r1 - r0, lim);
+    };
+    jobs.push_back(j);
+  };
   auto add = [&](const TensorView& W, int ncols, const float* X, int64_t ldx, const float* const* xc, float* Y,
                  int64_t ldy, float* const* yc) {
     MatmulJob j;
@@ -123,7 +144,7 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
     const int round_first = next;
     const int cap = sc.rows;
     int count = 0;
-    // Gate and up products: each expert's pairs of this round as one product (at most 31
+    // Gate/up products: each expert's pairs of this round as one paired product (at most 63
     // experts a round, so that with the shared expert a batch holds at most 64 products).
     jobs.clear();
     int experts = 0;
@@ -131,27 +152,20 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
       for (int e = 0; e < E && count < cap; ++e) {
         const int b = std::max(first[e], round_first), end = std::min(first[e + 1], round_first + cap);
         if (b >= end) continue;
-        if (experts == 31) break;
+        if (experts == kMaxBatchJobs - 1) break;
         ++experts;
         for (int m = b; m < end; ++m) lists.x_cols[m - round_first] = sc.u + static_cast<int64_t>(pair_lane[m]) * d;
         const int64_t row0 = b - round_first;
-        add(L.gate_exps.expert(e), end - b, nullptr, 0, &lists.x_cols[row0], sc.ex_gate + row0 * F, F, nullptr);
-        add(L.up_exps.expert(e), end - b, nullptr, 0, &lists.x_cols[row0], sc.ex_up + row0 * F, F, nullptr);
+        add_glu(L.gate_exps.expert(e), L.up_exps.expert(e), end - b, nullptr, 0, &lists.x_cols[row0],
+                sc.ex_gate + row0 * F, sc.ex_up + row0 * F, &lim_exp);
         count += end - b;
         next = end;
       }
     }
     float* sh_gate = shared_aside ? sc.ex_in : sc.ex_gate;
     float* sh_up = shared_aside ? sc.ex_down : sc.ex_up;
-    if (shared_now) {
-      add(L.gate_sh, n, sc.u, d, nullptr, sh_gate, F, nullptr);
-      add(L.up_sh, n, sc.u, d, nullptr, sh_up, F, nullptr);
-    }
+    if (shared_now) add_glu(L.gate_sh, L.up_sh, n, sc.u, d, nullptr, sh_gate, sh_up, &lim_sh);
     matmul_batch(jobs.data(), static_cast<int>(jobs.size()), pool);
-
-    for (int j = 0; j < count; ++j) swiglu(sc.ex_gate + j * F, sc.ex_up + j * F, F, lim_exp);
-    if (shared_now)
-      for (int i = 0; i < n; ++i) swiglu(sh_gate + i * F, sh_up + i * F, F, lim_sh);
 
     // Down products, straight into each pair's row of ex_out; the router weight scales the
     // expert's output after the down projection, in place.

@@ -77,10 +77,15 @@ void matmul_rows(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
 void matmul(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
             ThreadPool& pool);
 
-// One product of a matmul_batch: ys(c)[r] = dot(row r of W, xs(c)) for c < ncols, every row of W.
+// One product of a matmul_batch: y(c)[r] = dot(row r of W, x(c)) for c < ncols, every row of W.
 // Column c is read from x_cols[c] when x_cols is set, else from X + c * ldx; its results go to
 // y_cols[c] when set, else to Y + c * ldy. (Pointer lists let a product read lanes scattered
 // through a buffer, e.g. the lanes routed to one expert, and write them anywhere.)
+//
+// Optionally a second product over the same columns, W2 (W's shape) into y2(c), is computed
+// with the first chunk of rows by chunk of rows, and after(*this, r0, r1) runs on each chunk
+// [r0, r1) once both are there: a gated unit's gate, up and activation in one pass, on the
+// thread that computed them.
 struct MatmulJob {
   TensorView W;
   int ncols = 0;
@@ -90,6 +95,15 @@ struct MatmulJob {
   int64_t ldy = 0;
   const float* const* x_cols = nullptr;
   float* const* y_cols = nullptr;
+  TensorView W2;  // used when W2.data is set
+  float* Y2 = nullptr;
+  float* const* y2_cols = nullptr;
+  void (*after)(const MatmulJob& job, int64_t r0, int64_t r1) = nullptr;
+  const void* ctx = nullptr;  // for after
+
+  const float* x(int c) const { return x_cols ? x_cols[c] : X + c * ldx; }
+  float* y(int c) const { return y_cols ? y_cols[c] : Y + c * ldy; }
+  float* y2(int c) const { return y2_cols ? y2_cols[c] : Y2 + c * ldy; }
 };
 
 // Independent products (at most 64; no job may write what another reads) in one hand-off to the
