@@ -111,6 +111,53 @@ DS4_AVX2 inline __m256 half8(const uint16_t* p) {
 // side by side (each in its own register, as dot_avx2 runs one), and the output sums keep 4 heads
 // x 16 elements in registers across all keys instead of loading and storing them once per key.
 // Per element the operations and their order are dot_avx2's and axpy_avx2's: the same bits.
+// Logits of H heads (H <= 4) starting at head hg, for all n keys.
+template <int H>
+DS4_AVX2 void group_logits(const uint16_t* const* rows, int n, const float* q, int hg, int head_dim, float scale,
+                           float* logits, int64_t stride) {
+  const float* qh[H];
+  for (int h = 0; h < H; ++h) qh[h] = q + static_cast<int64_t>(hg + h) * head_dim;
+  for (int i = 0; i < n; ++i) {
+    const uint16_t* k = rows[i];
+    __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int e = 0; e < head_dim; e += 8) {
+      const __m256 kv = half8(k + e);
+      for (int h = 0; h < H; ++h) v[h] = _mm256_add_ps(v[h], _mm256_mul_ps(_mm256_loadu_ps(qh[h] + e), kv));
+    }
+    // dot_avx2's tree ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)) for the heads at once (lane h).
+    const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+    alignas(16) float r[4];
+    _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), _mm_set1_ps(scale)));
+    for (int h = 0; h < H; ++h) logits[(hg + h) * stride + i] = r[h];
+  }
+}
+
+// Outputs of H heads starting at head hg: o_h = sum over keys of p_h,i * k_i, 16 elements of the
+// H heads held in registers over all keys.
+template <int H>
+DS4_AVX2 void group_outputs(const uint16_t* const* rows, int n, const float* logits, int64_t stride, int hg,
+                            int head_dim, float* out) {
+  const float* ph[H];
+  for (int h = 0; h < H; ++h) ph[h] = logits + (hg + h) * stride;
+  for (int e = 0; e < head_dim; e += 16) {
+    __m256 o[H][2];
+    for (int h = 0; h < H; ++h) o[h][0] = o[h][1] = _mm256_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+      const __m256 k0 = half8(rows[i] + e), k1 = half8(rows[i] + e + 8);
+      for (int h = 0; h < H; ++h) {
+        const __m256 pv = _mm256_broadcast_ss(ph[h] + i);
+        o[h][0] = _mm256_add_ps(o[h][0], _mm256_mul_ps(pv, k0));
+        o[h][1] = _mm256_add_ps(o[h][1], _mm256_mul_ps(pv, k1));
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      float* oh = out + static_cast<int64_t>(hg + h) * head_dim + e;
+      _mm256_storeu_ps(oh, o[h][0]);
+      _mm256_storeu_ps(oh + 8, o[h][1]);
+    }
+  }
+}
+
 DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const float* sinks, int head_dim,
                                    int rope_dim, const RopeTable& rope_t, float* logits, int64_t stride, float* out,
                                    int h0, int h1) {
@@ -121,21 +168,11 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
   const uint16_t** rows = row_buf.data();  // a plain pointer: no TLS lookup inside the loops
   for (int i = 0; i < n; ++i) rows[i] = keys.key(i);
   for (int hg = h0; hg < h1; hg += 4) {
-    const int nh = std::min(4, h1 - hg);
-    const float* qh[4];
-    for (int h = 0; h < 4; ++h) qh[h] = q + static_cast<int64_t>(hg + std::min(h, nh - 1)) * head_dim;
-    for (int i = 0; i < n; ++i) {
-      const uint16_t* k = rows[i];
-      __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int e = 0; e < head_dim; e += 8) {
-        const __m256 kv = half8(k + e);
-        for (int h = 0; h < 4; ++h) v[h] = _mm256_add_ps(v[h], _mm256_mul_ps(_mm256_loadu_ps(qh[h] + e), kv));
-      }
-      // dot_avx2's tree ((a0+a1)+(a2+a3)) + ((a4+a5)+(a6+a7)) for the 4 heads at once.
-      const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
-      alignas(16) float r[4];
-      _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), _mm_set1_ps(scale)));
-      for (int h = 0; h < nh; ++h) logits[(hg + h) * stride + i] = r[h];
+    switch (std::min(4, h1 - hg)) {
+      case 4: group_logits<4>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      case 3: group_logits<3>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      case 2: group_logits<2>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      default: group_logits<1>(rows, n, q, hg, head_dim, scale, logits, stride); break;
     }
   }
   for (int h = h0; h < h1; ++h) {
@@ -151,25 +188,11 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
     for (int i = 0; i < n; ++i) l[i] *= inv;
   }
   for (int hg = h0; hg < h1; hg += 4) {
-    const int nh = std::min(4, h1 - hg);
-    const float* ph[4];
-    for (int h = 0; h < 4; ++h) ph[h] = logits + (hg + std::min(h, nh - 1)) * stride;
-    for (int e = 0; e < head_dim; e += 16) {
-      __m256 o[4][2];
-      for (int h = 0; h < 4; ++h) o[h][0] = o[h][1] = _mm256_setzero_ps();
-      for (int i = 0; i < n; ++i) {
-        const __m256 k0 = half8(rows[i] + e), k1 = half8(rows[i] + e + 8);
-        for (int h = 0; h < 4; ++h) {
-          const __m256 pv = _mm256_broadcast_ss(ph[h] + i);
-          o[h][0] = _mm256_add_ps(o[h][0], _mm256_mul_ps(pv, k0));
-          o[h][1] = _mm256_add_ps(o[h][1], _mm256_mul_ps(pv, k1));
-        }
-      }
-      for (int h = 0; h < nh; ++h) {
-        float* oh = out + static_cast<int64_t>(hg + h) * head_dim + e;
-        _mm256_storeu_ps(oh, o[h][0]);
-        _mm256_storeu_ps(oh + 8, o[h][1]);
-      }
+    switch (std::min(4, h1 - hg)) {
+      case 4: group_outputs<4>(rows, n, logits, stride, hg, head_dim, out); break;
+      case 3: group_outputs<3>(rows, n, logits, stride, hg, head_dim, out); break;
+      case 2: group_outputs<2>(rows, n, logits, stride, hg, head_dim, out); break;
+      default: group_outputs<1>(rows, n, logits, stride, hg, head_dim, out); break;
     }
   }
   for (int h = h0; h < h1; ++h) rope_t.apply(out + static_cast<int64_t>(h) * head_dim + (head_dim - rope_dim), true);
