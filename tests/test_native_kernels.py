@@ -240,6 +240,51 @@ def test_avx2_and_scalar_paths_are_distinct_computations() -> None:
     assert not np.array_equal(T.matmul(0, raw, ne0, ne1, x, 1, "avx2"), T.matmul_scalar(0, raw, ne0, ne1, x, 1))
 
 
+def _cpu_has_avx512() -> bool:
+    """AVX-512 F/BW/VL/DQ per /proc/cpuinfo: where the avx2 path runs its 512-bit matmul kernels."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = next((line.split(":", 1)[1].split() for line in f if line.startswith("flags")), [])
+    except OSError:
+        return False
+    return {"avx512f", "avx512bw", "avx512vl", "avx512dq"} <= set(flags)
+
+
+_AVX512_CASES = """
+import hashlib, sys
+import numpy as np
+sys.path.insert(0, "tests")
+import test_native_kernels as tk
+T = tk.T
+for t in tk.TYPES:
+    for width in (1, 2, 3, 4, 5, 6, 7, 8, 9, 16, 17):
+        rng = np.random.default_rng(7000 + 31 * t + width)
+        ne0 = {1: 640, 32: 608, 256: 768}[tk.GEOMETRY[t][0]]  # whole 32s: the fused kernels
+        ne1 = 37
+        raw = tk.random_raw(t, ne0 * ne1, rng, tame=True)
+        x = rng.standard_normal((width, ne0)).astype(np.float32)
+        for threads in (1, 2):
+            y = T.matmul(t, raw, ne0, ne1, x, threads, "avx2")
+            print(t, width, threads, hashlib.sha256(y.tobytes()).hexdigest()[:16])
+"""
+
+
+@pytest.mark.skipif("avx2" not in PATHS or not _cpu_has_avx512(), reason="no AVX-512 on this CPU")
+def test_avx512_matmul_kernels_are_bit_identical_to_the_256_bit_ones() -> None:
+    # The avx2 path runs 512-bit twins of its fused kernels where the CPU has AVX-512 (the same
+    # lanes, order and reduction); DS4_AVX512=0 keeps the 256-bit ones. Every type, 1-17 columns
+    # (the twins tile up to 8, the 256-bit kernels 3 or 6), 1 and 2 threads: the same bits.
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    runs = []
+    for env in (dict(os.environ, DS4_AVX512="0"), {k: v for k, v in os.environ.items() if k != "DS4_AVX512"}):
+        out = subprocess.run([sys.executable, "-c", _AVX512_CASES], env=env, cwd=root, capture_output=True,
+                             text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        runs.append(out.stdout.splitlines())
+    assert len(runs[0]) == len(TYPES) * 11 * 2
+    assert runs[0] == runs[1], next(f"{a} != {b}" for a, b in zip(*runs) if a != b)
+
+
 # --- thread pool -------------------------------------------------------------------------------
 
 

@@ -6,7 +6,9 @@
 // loads on CPUs without AVX2). The path is chosen once per process (first use; environment
 // variable DS4_SIMD=scalar|avx2|auto) so results of one process never mix the two paths. The
 // paths need not agree bit for bit with each other (FMA rounds once, mul+add twice), but each is
-// deterministic and batch-invariant on its own.
+// deterministic and batch-invariant on its own. Within the AVX2 path, the fused matmul kernels
+// have AVX-512 twins that give the same bits (used where the CPU has AVX-512 F/BW/VL/DQ unless
+// DS4_AVX512=0; tests/test_native_kernels.py compares the two).
 #pragma once
 
 #include <cstdint>
