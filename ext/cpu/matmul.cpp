@@ -59,9 +59,11 @@ constexpr int kRowBlock = 4;
 // Widest column tile of the AVX-512 kernels (2 accumulators a column in 32 registers). 256x256,
 // 8 columns: one tile of 8 is 2-25% faster than 4 + 4 (Q8_0 7.9 -> 7.7 us, Q4_K 10.8 -> 7.5 us).
 constexpr int kZTile = 8;
-// A chunk of a product worth a thread: 8k multiply-adds (0.4-1 us), a few times the cost of
-// handing it to a spinning worker; smaller products stay on the calling thread.
-constexpr int64_t kMatmulGrain = int64_t{1} << 13;
+// A chunk of a batch worth a thread, in row_cost units (multiply-add equivalents): 16k (0.3-0.6
+// us with the AVX-512 kernels), a few times the cost of handing it to a spinning worker; smaller
+// batches stay on the calling thread. (8k and 16k measure alike at C1, 16k 1-3% better at C2-C6.
+// Before row_cost, in plain multiply-adds, 8k-16k were alike and 32k-64k 2-4% worse at C1.)
+constexpr int64_t kMatmulGrain = int64_t{1} << 14;
 
 // The columns of one product, as MatmulJob describes them.
 inline const float* col_x(const MatmulJob& j, int c) { return j.x(c); }
@@ -674,9 +676,30 @@ void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, 
   job_rows(p, strided_job(W, X, ncols, ldx, Y, ldy), r0, r1);
 }
 
+namespace {
+
+// The cost of one row of a product, in multiply-add equivalents, for splitting a batch evenly: a
+// row costs about cols * (decode + ncols), the decode of a weight weighing 1.5 (Q8_0) to 3 (Q4_K)
+// multiply-adds. Measured, 256x256, 1-6 columns: each column adds ~650 ns a call whatever the
+// type, the decode ~1000 ns for Q8_0, ~1900 for Q4_K, ~1700 for MXFP4, ~700 for F16/BF16
+// (AVX-512 kernels; the 256-bit ones have similar ratios). Weighing rows by multiply-adds alone
+// gave the thread holding the Q4_K experts of a 1-lane MoE batch ~30% more time than the other.
+int64_t row_cost(DType t, int64_t cols, int ncols) {
+  int64_t decode4;  // decode cost in quarter multiply-adds per element
+  switch (t) {
+    case DType::Q4_K: decode4 = 12; break;
+    case DType::MXFP4: decode4 = 10; break;
+    case DType::Q8_0: decode4 = 6; break;
+    default: decode4 = 4; break;
+  }
+  return cols * (decode4 + 4 * ncols) / 4;
+}
+
+}  // namespace
+
 void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& pool) {
   // One hand-off for all the products: the pool splits their rows, laid end to end and weighted
-  // by multiply-adds per row, into chunks of about equal work (a row is never split).
+  // by row_cost, into chunks of about equal work (a row is never split).
   constexpr int kMaxJobs = 64;
   if (n_jobs > kMaxJobs) throw std::invalid_argument("matmul_batch: more than 64 products");
   int64_t start[kMaxJobs + 1];  // job i's work is [start[i], start[i + 1])
@@ -690,7 +713,7 @@ void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& 
       if (jobs[i].W2.ne[0] != jobs[i].W.ne[0] || jobs[i].W2.ne[1] != jobs[i].W.ne[1])
         throw std::invalid_argument("matmul_batch: W2 must have W's shape");
     }
-    per_row[i] = std::max<int64_t>(1, jobs[i].W.ne[0] * jobs[i].ncols * (two ? 2 : 1));
+    per_row[i] = std::max<int64_t>(1, row_cost(jobs[i].W.type, jobs[i].W.ne[0], jobs[i].ncols) * (two ? 2 : 1));
     start[i + 1] = start[i] + (jobs[i].ncols > 0 ? jobs[i].W.ne[1] * per_row[i] : 0);
   }
   const int64_t total = start[n_jobs];
