@@ -285,6 +285,47 @@ def test_avx512_matmul_kernels_are_bit_identical_to_the_256_bit_ones() -> None:
     assert runs[0] == runs[1], next(f"{a} != {b}" for a, b in zip(*runs) if a != b)
 
 
+_AVX512_ENGINE = """
+import hashlib, sys
+import numpy as np
+from ds4_app.engine.gguf_file import ModelFile
+from ds4_app.engine.plan import StepPlan
+from ds4_app.engine.synth import synthesize
+import ds4_app.engine._native as native
+path = sys.argv[1]
+mf = ModelFile.open(path)
+tensors = [(t.name, t.ggml_type, t.ne, t.offset) for t in mf.tensors.values()]
+h = hashlib.sha256()
+rng = np.random.default_rng(0)
+for lanes, threads in ((1, 2), (3, 2)):  # 1 lane: heads split between threads; 3: slots in parallel
+    eng = native.Engine(mf.config, path, tensors, max_slots=3, max_ctx=256, n_pages=6, max_rows=16,
+                        n_threads=threads)
+    tables = {s: [2 * s, 2 * s + 1] for s in range(lanes)}
+    for t in range(140):
+        plan = [(s, int(rng.integers(0, mf.config.n_vocab)), t, True) for s in range(lanes)]
+        h.update(eng.step(StepPlan.build(plan, tables, 2)).tobytes())
+print(h.hexdigest())
+"""
+
+
+@pytest.mark.skipif("avx2" not in PATHS or not _cpu_has_avx512(), reason="no AVX-512 on this CPU")
+def test_avx512_engine_steps_are_bit_identical_to_the_256_bit_ones(tmp_path) -> None:
+    # The engine with every AVX-512 twin (matmul, attention) against DS4_AVX512=0: 140 steps of
+    # 1 and 3 lanes, past the CSA/HCA emissions and the indexer's choice, logits bit for bit.
+    from ds4_app.engine.synth import synthesize
+
+    path = tmp_path / "tiny.gguf"
+    synthesize("tiny", path, seed=2)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    digests = []
+    for env in (dict(os.environ, DS4_AVX512="0"), {k: v for k, v in os.environ.items() if k != "DS4_AVX512"}):
+        out = subprocess.run([sys.executable, "-c", _AVX512_ENGINE, str(path)], env=env, cwd=root,
+                             capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr
+        digests.append(out.stdout.strip())
+    assert len(digests[0]) == 64 and digests[0] == digests[1]
+
+
 # --- thread pool -------------------------------------------------------------------------------
 
 

@@ -28,6 +28,10 @@ const char* path_name(SimdPath p);
 // Whether this CPU (and OS) can run the path.
 bool path_supported(SimdPath p);
 
+// Whether the AVX2 path runs its AVX-512 twins (the CPU has AVX-512 F/BW/VL/DQ and DS4_AVX512 is
+// not 0; fixed per process). The twins give the same bits as the 256-bit kernels.
+bool avx512_enabled();
+
 // Physical cores available to this process (sysfs topology, bounded by the affinity mask).
 int physical_cores();
 

@@ -363,6 +363,8 @@ DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* c
 #pragma GCC diagnostic push
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
 
+}  // namespace
+
 bool avx512_enabled() {
   static const bool on = [] {
     const char* env = std::getenv("DS4_AVX512");
@@ -373,6 +375,8 @@ bool avx512_enabled() {
   }();
   return on;
 }
+
+namespace {
 
 // Elements [32 s, 32 s + 32) of a row as two registers (elements 0-15, 16-31), decode32's values.
 template <DType DT>

@@ -14,6 +14,8 @@
 #include <cmath>
 #include <vector>
 
+#include "dispatch.h"
+
 #define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
 
 namespace ds4 {
@@ -158,6 +160,89 @@ DS4_AVX2 void group_outputs(const uint16_t* const* rows, int n, const float* log
   }
 }
 
+// --- AVX-512 twins (ext/cpu/dispatch.h: avx512_enabled), the same bits -------------------------
+// group_logits on two keys at a time: key i in lanes 0-7 and key i+1 in lanes 8-15 of each head's
+// register, the query chunk broadcast to both halves; each half then takes the 256-bit tree.
+// group_outputs on 32 elements of up to 4 heads a pass, 16 per register.
+#define DS4_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"  // GCC 12's AVX-512 headers (see matmul.cpp)
+
+DS4_AVX512 inline __m512 half16_pair(const uint16_t* a, const uint16_t* b) {
+  const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(a))),
+                                            _mm_loadu_si128(reinterpret_cast<const __m128i*>(b)), 1);
+  return _mm512_cvtph_ps(h);
+}
+
+// The 4 heads' 8-lane sums of one key (registers v[0..3]) through dot_avx2's tree, times scale.
+DS4_AVX512 inline void store_key_logits(const __m256 v[4], int H, float scale, float* logits, int64_t stride,
+                                        int hg, int i) {
+  const __m256 s = _mm256_hadd_ps(_mm256_hadd_ps(v[0], v[1]), _mm256_hadd_ps(v[2], v[3]));
+  alignas(16) float r[4];
+  _mm_store_ps(r, _mm_mul_ps(_mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1)), _mm_set1_ps(scale)));
+  for (int h = 0; h < H; ++h) logits[(hg + h) * stride + i] = r[h];
+}
+
+template <int H>
+DS4_AVX512 void group_logits_z(const uint16_t* const* rows, int n, const float* q, int hg, int head_dim, float scale,
+                               float* logits, int64_t stride) {
+  const float* qh[H];
+  for (int h = 0; h < H; ++h) qh[h] = q + static_cast<int64_t>(hg + h) * head_dim;
+  int i = 0;
+  for (; i + 2 <= n; i += 2) {
+    __m512 v[H];
+    for (int h = 0; h < H; ++h) v[h] = _mm512_setzero_ps();
+    for (int e = 0; e < head_dim; e += 8) {
+      const __m512 kv = half16_pair(rows[i] + e, rows[i + 1] + e);
+      for (int h = 0; h < H; ++h)
+        v[h] = _mm512_add_ps(v[h], _mm512_mul_ps(_mm512_broadcast_f32x8(_mm256_loadu_ps(qh[h] + e)), kv));
+    }
+    __m256 a[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    __m256 b[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int h = 0; h < H; ++h) {
+      a[h] = _mm512_castps512_ps256(v[h]);
+      b[h] = _mm512_extractf32x8_ps(v[h], 1);
+    }
+    store_key_logits(a, H, scale, logits, stride, hg, i);
+    store_key_logits(b, H, scale, logits, stride, hg, i + 1);
+  }
+  if (i < n) {  // an odd last key: one key in 256-bit registers
+    __m256 v[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (int e = 0; e < head_dim; e += 8) {
+      const __m256 kv = half8(rows[i] + e);
+      for (int h = 0; h < H; ++h) v[h] = _mm256_add_ps(v[h], _mm256_mul_ps(_mm256_loadu_ps(qh[h] + e), kv));
+    }
+    store_key_logits(v, H, scale, logits, stride, hg, i);
+  }
+}
+
+template <int H>
+DS4_AVX512 void group_outputs_z(const uint16_t* const* rows, int n, const float* logits, int64_t stride, int hg,
+                                int head_dim, float* out) {
+  const float* ph[H];
+  for (int h = 0; h < H; ++h) ph[h] = logits + (hg + h) * stride;
+  for (int e = 0; e < head_dim; e += 32) {
+    __m512 o[H][2];
+    for (int h = 0; h < H; ++h) o[h][0] = o[h][1] = _mm512_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+      const __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e)));
+      const __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e + 16)));
+      for (int h = 0; h < H; ++h) {
+        const __m512 pv = _mm512_set1_ps(ph[h][i]);
+        o[h][0] = _mm512_add_ps(o[h][0], _mm512_mul_ps(pv, k0));
+        o[h][1] = _mm512_add_ps(o[h][1], _mm512_mul_ps(pv, k1));
+      }
+    }
+    for (int h = 0; h < H; ++h) {
+      float* oh = out + static_cast<int64_t>(hg + h) * head_dim + e;
+      _mm512_storeu_ps(oh, o[h][0]);
+      _mm512_storeu_ps(oh + 16, o[h][1]);
+    }
+  }
+}
+
+#pragma GCC diagnostic pop
+
 DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const float* sinks, int head_dim,
                                    int rope_dim, const RopeTable& rope_t, float* logits, int64_t stride, float* out,
                                    int h0, int h1) {
@@ -167,8 +252,13 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
   row_buf.resize(static_cast<size_t>(n));
   const uint16_t** rows = row_buf.data();  // a plain pointer: no TLS lookup inside the loops
   for (int i = 0; i < n; ++i) rows[i] = keys.key(i);
+  const bool z = cpu::avx512_enabled() && head_dim % 32 == 0;
   for (int hg = h0; hg < h1; hg += 4) {
-    switch (std::min(4, h1 - hg)) {
+    switch (std::min(4, h1 - hg) + (z ? 4 : 0)) {
+      case 8: group_logits_z<4>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      case 7: group_logits_z<3>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      case 6: group_logits_z<2>(rows, n, q, hg, head_dim, scale, logits, stride); break;
+      case 5: group_logits_z<1>(rows, n, q, hg, head_dim, scale, logits, stride); break;
       case 4: group_logits<4>(rows, n, q, hg, head_dim, scale, logits, stride); break;
       case 3: group_logits<3>(rows, n, q, hg, head_dim, scale, logits, stride); break;
       case 2: group_logits<2>(rows, n, q, hg, head_dim, scale, logits, stride); break;
@@ -188,7 +278,11 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
     for (int i = 0; i < n; ++i) l[i] *= inv;
   }
   for (int hg = h0; hg < h1; hg += 4) {
-    switch (std::min(4, h1 - hg)) {
+    switch (std::min(4, h1 - hg) + (z ? 4 : 0)) {
+      case 8: group_outputs_z<4>(rows, n, logits, stride, hg, head_dim, out); break;
+      case 7: group_outputs_z<3>(rows, n, logits, stride, hg, head_dim, out); break;
+      case 6: group_outputs_z<2>(rows, n, logits, stride, hg, head_dim, out); break;
+      case 5: group_outputs_z<1>(rows, n, logits, stride, hg, head_dim, out); break;
       case 4: group_outputs<4>(rows, n, logits, stride, hg, head_dim, out); break;
       case 3: group_outputs<3>(rows, n, logits, stride, hg, head_dim, out); break;
       case 2: group_outputs<2>(rows, n, logits, stride, hg, head_dim, out); break;
