@@ -144,6 +144,8 @@ void t_fp8(float* x, long n) { ds4::fp8_round_trip(x, n); }
 void t_fp4(float* x, long n) { ds4::fp4_round_trip(x, n); }
 void t_had(float* x, long n) { ds4::hadamard(x, n); }
 void t_f16(float* x, long n) { ds4::round_f16(x, n); }
+void t_f16_row(const float* x, unsigned short* y, long n) { ds4::f32_to_f16_row(x, y, n); }
+void t_f16_each(const float* x, unsigned short* y, long n) { for (long i = 0; i < n; ++i) y[i] = ds4::f32_to_f16(x[i]); }
 void t_rope(float* x, long n, const double* inv, int half, long pos, int inverse) {
   ds4::RopeTable r;
   r.init(inv, half, pos);
@@ -185,6 +187,27 @@ def test_qat_round_trips_match_the_reference_bit_for_bit(ops_lib) -> None:
         rows = x.reshape(-1, 128)
         got = np.stack([_call(ops_lib, "t_had", r) for r in rows])
         assert np.array_equal(got, N.hadamard(rows))
+
+
+def test_f16_rows_match_one_value_at_a_time(ops_lib) -> None:
+    """f32_to_f16_row (vcvtps2ph where the CPU has F16C) gives f32_to_f16's bits for every float:
+    ties, subnormals, the overflow edge, infinities and NaNs (which only the scalar way quiets
+    with one bit), in groups of 8 and in the tail."""
+    edges = np.array([0.0, -0.0, 65504.0, 65519.996, 65520.0, -65520.0, 2.0 ** -24, 2.0 ** -25,
+                      1.5 * 2.0 ** -25, 2.0 ** -14, 2.0 ** -14 - 2.0 ** -25, np.inf, -np.inf, 1e-30], np.float32)
+    nan_bits = np.array([0x7FC00000, 0x7F800001, 0xFFFFFFFF, 0x7FA00000], np.uint32).view(np.float32)
+    rng = np.random.default_rng(2)
+    ties = (np.arange(1024, 2048, dtype=np.float32) + 0.5) * np.float32(2.0 ** -10)  # halfway between halves
+    x = np.concatenate([edges, nan_bits, ties, rng.standard_normal(997).astype(np.float32) * 1e3,
+                        rng.standard_normal(301).astype(np.float32) * 1e-6])
+    for lo in (0, 3):  # groups of 8 starting at a NaN and away from it, and odd tails
+        xs = np.ascontiguousarray(x[lo:])
+        got, want = (np.zeros(xs.size, np.uint16) for _ in range(2))
+        for fn, out in (("t_f16_row", got), ("t_f16_each", want)):
+            getattr(ops_lib, fn)(xs.ctypes.data_as(ctypes.c_void_p), out.ctypes.data_as(ctypes.c_void_p), ctypes.c_long(xs.size))
+        assert np.array_equal(got, want)
+        finite = np.isfinite(xs) | np.isinf(xs)
+        assert np.array_equal(got[finite], xs[finite].astype(np.float16).view(np.uint16))
 
 
 def test_rope_matches_the_reference_bit_for_bit(ops_lib) -> None:

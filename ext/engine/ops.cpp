@@ -86,7 +86,28 @@ static const float* f16_table() {
 
 float f16_to_f32(uint16_t h) { return f16_table()[h]; }
 
+namespace {
+
+// vcvtps2ph with round-to-nearest-even gives f32_to_f16's bits for every input but NaN, whose
+// payload it keeps where f32_to_f16 sets one quiet bit: a group of 8 holding a NaN goes the
+// scalar way.
+DS4_AVX2 void f32_to_f16_row_avx2(const float* x, uint16_t* y, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 v = _mm256_loadu_ps(x + i);
+    if (_mm256_movemask_ps(_mm256_cmp_ps(v, v, _CMP_UNORD_Q))) {
+      for (int k = 0; k < 8; ++k) y[i + k] = f32_to_f16(x[i + k]);
+    } else {
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(y + i), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+    }
+  }
+  for (; i < n; ++i) y[i] = f32_to_f16(x[i]);
+}
+
+}  // namespace
+
 void f32_to_f16_row(const float* x, uint16_t* y, int64_t n) {
+  if (use_avx2()) return f32_to_f16_row_avx2(x, y, n);
   for (int64_t i = 0; i < n; ++i) y[i] = f32_to_f16(x[i]);
 }
 
@@ -161,6 +182,17 @@ void RopeTable::init(const double* inv_freq, int n_half, int64_t pos) {
     c[k] = static_cast<float>(std::cos(a));
     s[k] = static_cast<float>(std::sin(a));
   }
+}
+
+void RopeTable::save(float* cs) const {
+  std::memcpy(cs, c, sizeof(float) * half);
+  std::memcpy(cs + half, s, sizeof(float) * half);
+}
+
+void RopeTable::load(const float* cs, int n_half) {
+  half = n_half;
+  std::memcpy(c, cs, sizeof(float) * half);
+  std::memcpy(s, cs + half, sizeof(float) * half);
 }
 
 void RopeTable::apply(float* tail, bool inverse) const {
