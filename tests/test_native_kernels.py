@@ -348,3 +348,15 @@ def test_parallel_for_rethrows_a_chunk_error_and_the_pool_stays_usable(bad: int)
     # The C++ exception arrives as RuntimeError (except +) after a second job ran every index.
     with pytest.raises(RuntimeError, match="rethrown after a second job covered 10"):
         T.pool_throw(3, 10, bad)
+
+
+@pytest.mark.parametrize("k", [1, 7, 8, 16, 17, 64])
+def test_indexer_topk_picks_the_best_by_score_then_index(k) -> None:
+    """Both ways of ds4::indexer_topk (one pass for k <= 16, nth_element above) pick the k best
+    entries by (score descending, index ascending), with many ties, returned ascending."""
+    rng = np.random.default_rng(k)
+    for n in (k, k + 1, 150, 301):
+        for scores in (rng.integers(0, 5, n).astype(np.float32), rng.standard_normal(n).astype(np.float32),
+                       np.arange(n, dtype=np.float32), -np.arange(n, dtype=np.float32), np.zeros(n, np.float32)):
+            want = np.sort(np.lexsort((np.arange(n), -scores))[:k])
+            assert np.array_equal(native._testing.indexer_topk(scores, k), want), (n, k)

@@ -331,12 +331,26 @@ void indexer_scores(const PagedState& state, int layer, int slot, const float* q
 }
 
 void indexer_topk(const float* scores, int64_t n, int64_t k, int32_t* order, int32_t* sel) {
-  for (int64_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
-  // A strict total order (score desc, then index asc): the selected set is unique.
-  std::partial_sort(order, order + k, order + n, [scores](int32_t a, int32_t b) {
-    return scores[a] > scores[b] || (scores[a] == scores[b] && a < b);
-  });
-  std::copy(order, order + k, sel);
+  // A strict total order (score desc, then index asc): the selected set is unique, so the two
+  // ways below pick the same entries.
+  auto better = [scores](int32_t a, int32_t b) { return scores[a] > scores[b] || (scores[a] == scores[b] && a < b); };
+  if (k <= kSmallTopk) {
+    // Few to keep (the decode case of small models): one pass, the best k so far kept sorted in
+    // sel; an entry enters only when it beats the current k-th (ties: the lower index, met first,
+    // stays ahead).
+    int64_t m = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const int32_t e = static_cast<int32_t>(i);
+      if (m == k && !better(e, sel[k - 1])) continue;
+      int64_t j = m < k ? m++ : k - 1;
+      for (; j > 0 && better(e, sel[j - 1]); --j) sel[j] = sel[j - 1];
+      sel[j] = e;
+    }
+  } else {
+    for (int64_t i = 0; i < n; ++i) order[i] = static_cast<int32_t>(i);
+    std::nth_element(order, order + (k - 1), order + n, better);
+    std::copy(order, order + k, sel);
+  }
   std::sort(sel, sel + k);
 }
 

@@ -44,6 +44,8 @@ void indexer_scores(const PagedState& state, int layer, int slot, const float* q
                     int head_dim, int64_t s0, int64_t s1, float* scores);
 
 // The k best entries among n by (score descending, index ascending), written ascending to sel.
+// order: scratch of n entries (used when k > kSmallTopk).
+constexpr int64_t kSmallTopk = 16;
 void indexer_topk(const float* scores, int64_t n, int64_t k, int32_t* order, int32_t* sel);
 
 }  // namespace ds4

@@ -54,6 +54,10 @@ cdef extern from "dispatch.h" namespace "ds4::cpu" nogil:
                    int64_t ldy, ThreadPool& pool) except +
 
 
+cdef extern from "attention.h" namespace "ds4" nogil:
+    void indexer_topk(const float* scores, int64_t n, int64_t k, int32_t* order, int32_t* sel) except +
+
+
 cdef extern from "engine.h" nogil:
     cdef cppclass ModelConfig "ds4::ModelConfig":
         int n_vocab, n_embd, n_layer, n_head, head_dim, rope_dim
