@@ -18,6 +18,8 @@ import types
 
 import numpy as np
 
+from ds4_app.engine.plan import StepPlan
+
 from libc.stdint cimport int32_t, int64_t, uint8_t, uint16_t, uint64_t
 from libcpp.string cimport string
 from libcpp.utility cimport pair
@@ -26,7 +28,7 @@ from cython.operator cimport dereference as deref
 
 from ds4 cimport (
     CEngine, DType, EngineOptions, ModelConfig, SimdPath, SlotStateExport, ThreadPool, TensorView, WeightEntry,
-    active_path, block_bytes, block_elems, c_dtype_supported, c_physical_cores, decode, dtype_name,
+    active_path, block_bytes, block_elems, c_dtype_supported, c_physical_cores, decode, dtype_name, indexer_topk,
     matmul_on, path_name, path_supported,
 )
 
@@ -202,15 +204,20 @@ cdef class Engine:
     def step(self, plan):
         """Run one step of a StepPlan; returns float32 logits [plan.n_logits, n_vocab] in lane order."""
         cdef CEngine* eng = self._get()
-        # StepPlan holds contiguous int32 arrays already: these are views, not copies.
-        lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
-        lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
-        lane_pos = np.ascontiguousarray(plan.lane_pos, dtype=np.int32)
-        lane_logits = np.ascontiguousarray(plan.lane_logits, dtype=np.int32)
-        table_slot = np.ascontiguousarray(plan.table_slot, dtype=np.int32)
-        block_table = np.ascontiguousarray(plan.block_table, dtype=np.int32)
+        cdef object lane_slot, lane_token, lane_pos, lane_logits, table_slot, block_table
+        if type(plan) is StepPlan:  # contiguous int32 arrays, checked when the plan was made
+            lane_slot, lane_token, lane_pos = plan.lane_slot, plan.lane_token, plan.lane_pos
+            lane_logits, table_slot, block_table = plan.lane_logits, plan.table_slot, plan.block_table
+        else:
+            lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
+            lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
+            lane_pos = np.ascontiguousarray(plan.lane_pos, dtype=np.int32)
+            lane_logits = np.ascontiguousarray(plan.lane_logits, dtype=np.int32)
+            table_slot = np.ascontiguousarray(plan.table_slot, dtype=np.int32)
+            block_table = np.ascontiguousarray(plan.block_table, dtype=np.int32)
         n = lane_slot.shape[0]
-        if lane_slot.ndim != 1 or any(a.ndim != 1 or a.shape[0] != n for a in (lane_token, lane_pos, lane_logits)):
+        if (lane_slot.ndim != 1 or lane_token.ndim != 1 or lane_pos.ndim != 1 or lane_logits.ndim != 1
+                or lane_token.shape[0] != n or lane_pos.shape[0] != n or lane_logits.shape[0] != n):
             raise ValueError("StepPlan lane arrays must be 1-D of one length")
         if n > self.max_rows:
             raise ValueError(f"StepPlan has {n} lanes; this engine takes at most max_rows={self.max_rows}")
@@ -499,6 +506,21 @@ def _t_pool_throw(int n_threads, int64_t n, int64_t bad):
         ds4_testing_pool_throw(n_threads, n, bad)
 
 
+def _t_indexer_topk(scores, int64_t k):
+    """The indexer's top-k of a row of scores (ds4::indexer_topk): k entry indices, ascending."""
+    cdef const float[::1] sc = np.ascontiguousarray(scores, dtype=np.float32)
+    cdef int64_t n = sc.shape[0]
+    if not 0 < k <= n:
+        raise ValueError(f"k must be in 1..{n}")
+    order = np.empty(n, np.int32)
+    sel = np.empty(k, np.int32)
+    cdef int32_t[::1] o = order
+    cdef int32_t[::1] s = sel
+    with nogil:
+        indexer_topk(&sc[0], n, k, &o[0], &s[0])
+    return sel
+
+
 include "../gpu/binding_hooks.pxi"
 include "../gpu/engine_binding.pxi"
 
@@ -511,6 +533,7 @@ _testing = types.SimpleNamespace(
     path_supported=_t_path_supported,
     pool_chunks=_t_pool_chunks,
     pool_throw=_t_pool_throw,
+    indexer_topk=_t_indexer_topk,
     export_slot_state=_t_export_slot_state,
 )
 vars(_testing).update(_GPU_TESTING)
