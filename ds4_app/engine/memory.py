@@ -216,4 +216,5 @@ def _scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list[tuple[
         ("idx_order", R * n_idx),
         ("pooled", R * pool_w),
         ("head_in", R * d),
+        ("rope", R * cfg.rope_dim),
     ]

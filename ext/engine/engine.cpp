@@ -86,6 +86,7 @@ struct Engine::Impl {
     hcs.iters = cfg.hc_sinkhorn_iters;
     hcs.hc_eps = cfg.hc_eps;
     hcs.norm_eps = cfg.norm_eps;
+    for (int l = 1; l < cfg.n_layer; ++l) rope_as_prev[l] = cfg.rope_inv_freqs[l] == cfg.rope_inv_freqs[l - 1];
   }
 
   ModelConfig cfg;
@@ -98,6 +99,9 @@ struct Engine::Impl {
   HcShape hcs;
   // Lane grouping of the current step (O(max_rows) ints, not counted as scratch).
   std::vector<int> order, group_first, group_len, group_slot, logit_lanes;
+  // rope_as_prev[l]: layer l's RoPE frequencies are layer l-1's, so the lanes' tables in sc.rope
+  // (computed for this step's positions at layer l-1) serve it unchanged.
+  std::vector<char> rope_as_prev = std::vector<char>(cfg.n_layer, 0);
   int n_groups = 0;
   MoeLists moe_lists;
   // Independent products of one batched hand-off (matmul_batch), filled by add_job.
@@ -229,7 +233,12 @@ void Engine::Impl::attention_layer(int l) {
   if (L.ratio == 4) lane_work += inh * ihd * (qat ? 8 : 2) + 4 * ihd;
   per_lane(lane_work, [&](int i) {
     RopeTable rope;
-    rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
+    if (rope_as_prev[l]) {
+      rope.load(sc.rope + i * rd, static_cast<int>(rd / 2));
+    } else {
+      rope.init(inv_freq, static_cast<int>(rd / 2), pos[i]);
+      rope.save(sc.rope + i * rd);
+    }
     for (int64_t h = 0; h < nh; ++h) {
       float* qh = sc.q + (i * nh + h) * hd;
       rms_norm(qh, nullptr, qh, hd, cfg.norm_eps);  // per-head unweighted norm
@@ -350,7 +359,7 @@ void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
     keys.comp = sel;
     keys.n_comp = n_sel;
     RopeTable rope;
-    rope.init(inv_freq, rd / 2, t);
+    rope.load(sc.rope + static_cast<int64_t>(i) * rd, rd / 2);  // lane i's, saved in (A)
     const float* q = sc.q + static_cast<int64_t>(i) * nh * hd;
     float* logits = sc.att_logits + static_cast<int64_t>(i) * nh * sc.n_keys;
     float* out = sc.attn_out + static_cast<int64_t>(i) * nh * hd;

@@ -46,6 +46,10 @@ struct RopeTable {
   // Rotate the interleaved pairs (x[2i], x[2i+1]) of a rope_dim-long tail. inverse rotates by
   // the negative angle (the conjugate), used on the attention output (spec §4.3).
   void apply(float* tail, bool inverse) const;
+  // The table as 2 * half floats (cosines, then sines), and back: a lane's table computed once
+  // serves every layer with the same frequencies.
+  void save(float* cs) const;
+  void load(const float* cs, int n_half);
 };
 
 // FP8 e4m3fn round trip (spec §7 item 1) on n values (n a multiple of 64), blocks of 64:

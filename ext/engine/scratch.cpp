@@ -53,6 +53,7 @@ Scratch::Scratch(const ModelConfig& cfg, int max_rows, int max_ctx) {
       {reinterpret_cast<void**>(&idx_order), R * n_idx},
       {reinterpret_cast<void**>(&pooled), R * pool_w},
       {reinterpret_cast<void**>(&head_in), R * d},
+      {reinterpret_cast<void**>(&rope), R * cfg.rope_dim},
   };
   auto padded = [](int64_t elems) { return static_cast<uint64_t>((elems * 4 + 63) / 64 * 64); };
   uint64_t total = 0;

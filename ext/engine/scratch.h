@@ -56,6 +56,7 @@ struct Scratch {
   int32_t* idx_order = nullptr;  // R x n_idx
   float* pooled = nullptr;       // R x pool_w   a freshly pooled compressor row
   float* head_in = nullptr;      // R x d   final normed hidden of the lanes that want logits
+  float* rope = nullptr;         // R x rope_dim   each lane's RoPE table (RopeTable::save) of the layer
 
   AlignedBuffer arena;
 };
