@@ -13,14 +13,17 @@ namespace {
 constexpr int kMaxBatchJobs = 64;  // matmul_batch's limit
 }  // namespace
 
-void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, const float* logits,
+void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, float* logits,
                 int32_t* ids, float* weights) {
   const int E = cfg.n_expert, K = cfg.n_expert_used;
-  auto score = [&](int e) { return std::sqrt(softplusf(logits[e])); };
+  auto score = [](float logit) { return std::sqrt(softplusf(logit)); };
   if (hash) {
     const int32_t* row = L.tid2eid + static_cast<int64_t>(token) * K;
     for (int k = 0; k < K; ++k) ids[k] = row[k];  // range-checked when the weights were bound
+    for (int k = 0; k < K; ++k) weights[k] = score(logits[ids[k]]);
   } else {
+    float* s = logits;
+    for (int e = 0; e < E; ++e) s[e] = score(logits[e]);
     // K passes of a strict arg-max: '>' keeps the lower id on ties, already-taken experts skipped.
     for (int k = 0; k < K; ++k) {
       int best = -1;
@@ -29,7 +32,7 @@ void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_
         bool taken = false;
         for (int j = 0; j < k; ++j) taken = taken || ids[j] == e;
         if (taken) continue;
-        const float v = score(e) + L.exp_bias[e];
+        const float v = s[e] + L.exp_bias[e];
         if (best < 0 || v > best_v) {
           best = e;
           best_v = v;
@@ -37,12 +40,10 @@ void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_
       }
       ids[k] = best;
     }
+    for (int k = 0; k < K; ++k) weights[k] = s[ids[k]];
   }
   float sum = 0.0f;
-  for (int k = 0; k < K; ++k) {
-    weights[k] = score(ids[k]);
-    sum += weights[k];
-  }
+  for (int k = 0; k < K; ++k) sum += weights[k];
   const float den = cfg.expert_weights_norm ? std::max(sum, 6.103515625e-5f) : 1.0f;
   for (int k = 0; k < K; ++k) weights[k] = weights[k] / den * cfg.expert_weights_scale;
 }

@@ -21,7 +21,8 @@ namespace ds4 {
 // Routing of one lane from its router logits: expert ids in selection order and their weights
 // s / max(Σs, 2^-14) × expert_weights_scale (s = sqrt(softplus(logit)); the bias only selects).
 // Hash layers take tid2eid[token]; others the top-k of s + bias, ties to the lower expert id.
-void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, const float* logits,
+// logits (n_expert) is overwritten by the scores s of a non-hash layer (each computed once).
+void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_t token, float* logits,
                 int32_t* ids, float* weights);
 
 // SwiGLU with the DS4 clamps (limit > 0): g ← min(g, L), u ← clamp(u, -L, L), g ← silu(g)·u.
