@@ -400,15 +400,16 @@ DS4_AVX512 inline void decode32_z(const uint8_t* row, int64_t s, __m512 w[2]) {
     for (int i = 0; i < 2; ++i)
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i)))), d);
   } else if constexpr (DT == DType::MXFP4) {
+    // The block's 16 possible weights float(value) * d in one register, looked up by code
+    // (vpermps reads only an index's low 4 bits, so the low nibbles need no mask): the products
+    // the decoder forms, 4 instructions for 32 weights instead of 10. (The same lookup for Q4_K,
+    // fmaf(dl, q, -ml) for q = 0..15, measured no faster at 1 column and slower at 4.)
     const uint8_t* b = row + 17 * s;
-    const __m512 d = _mm512_set1_ps(e8m0_half(b[0]));
-    const __m128i table = _mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values));
-    const __m128i low4 = _mm_set1_epi8(0x0f);
-    const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1));
-    const __m128i lo = _mm_shuffle_epi8(table, _mm_and_si128(raw, low4));                     // elements 0-15
-    const __m128i hi = _mm_shuffle_epi8(table, _mm_and_si128(_mm_srli_epi16(raw, 4), low4));  // 16-31
-    w[0] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(lo)), d);
-    w[1] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(hi)), d);
+    const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))));
+    const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(e8m0_half(b[0])));
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 1)));
+    w[0] = _mm512_permutexvar_ps(v, table);                         // elements 0-15: low nibbles
+    w[1] = _mm512_permutexvar_ps(_mm512_srli_epi32(v, 4), table);  // 16-31: high nibbles
   }
 }
 
