@@ -657,17 +657,6 @@ void job_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
   if (j.after) j.after(j, r0, r1);
 }
 
-MatmulJob strided_job(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
-  MatmulJob j;
-  j.W = W;
-  j.ncols = ncols;
-  j.X = X;
-  j.ldx = ldx;
-  j.Y = Y;
-  j.ldy = ldy;
-  return j;
-}
-
 }  // namespace
 
 SimdPath active_path() {
@@ -678,7 +667,7 @@ SimdPath active_path() {
 void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y,
                     int64_t ldy, int64_t r0, int64_t r1) {
   check_view(W, ncols);
-  job_rows(p, strided_job(W, X, ncols, ldx, Y, ldy), r0, r1);
+  job_rows(p, MatmulJob::product(W, ncols, X, ldx, Y, ldy), r0, r1);
 }
 
 namespace {
@@ -737,7 +726,7 @@ void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& 
 
 void matmul_on(SimdPath p, const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy,
                ThreadPool& pool) {
-  const MatmulJob j = strided_job(W, X, ncols, ldx, Y, ldy);
+  const MatmulJob j = MatmulJob::product(W, ncols, X, ldx, Y, ldy);
   matmul_batch_on(p, &j, 1, pool);
 }
 

@@ -129,14 +129,7 @@ struct Engine::Impl {
   // Queue Y = W·X over the step's lanes (X rows ldx apart, Y rows ldy apart) for run_jobs.
   void add_job(const TensorView& W, const float* X, int64_t ldx, float* Y, int64_t ldy) {
     if (n_jobs == kMaxJobs) run_jobs();  // the queued products are independent: any split is fine
-    MatmulJob& j = jobs[n_jobs++];
-    j = MatmulJob{};
-    j.W = W;
-    j.ncols = n;
-    j.X = X;
-    j.ldx = ldx;
-    j.Y = Y;
-    j.ldy = ldy;
+    jobs[n_jobs++] = MatmulJob::product(W, n, X, ldx, Y, ldy);
   }
   void run_jobs() {
     matmul_batch(jobs, n_jobs, pool);

@@ -107,34 +107,14 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
   // chunk on the thread that computed them (ctx: the clamp limit).
   auto add_glu = [&](const TensorView& Wg, const TensorView& Wu, int ncols, const float* X, int64_t ldx,
                      const float* const* xc, float* gate, float* up, const float* limit) {
-    MatmulJob j;
-    j.W = Wg;
+    MatmulJob j = MatmulJob::product(Wg, ncols, X, ldx, gate, F, xc);
     j.W2 = Wu;
-    j.ncols = ncols;
-    j.X = X;
-    j.ldx = ldx;
-    j.x_cols = xc;
-    j.Y = gate;
     j.Y2 = up;
-    j.ldy = F;
     j.ctx = limit;
     j.after = [](const MatmulJob& jb, int64_t r0, int64_t r1) {
       const float lim = *static_cast<const float*>(jb.ctx);
       for (int c = 0; c < jb.ncols; ++c) swiglu(jb.y(c) + r0, jb.y2(c) + r0, r1 - r0, lim);
     };
-    jobs.push_back(j);
-  };
-  auto add = [&](const TensorView& W, int ncols, const float* X, int64_t ldx, const float* const* xc, float* Y,
-                 int64_t ldy, float* const* yc) {
-    MatmulJob j;
-    j.W = W;
-    j.ncols = ncols;
-    j.X = X;
-    j.ldx = ldx;
-    j.x_cols = xc;
-    j.Y = Y;
-    j.ldy = ldy;
-    j.y_cols = yc;
     jobs.push_back(j);
   };
 
@@ -177,9 +157,9 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
       for (int m = b; m < end; ++m)
         lists.y_cols[m - round_first] = sc.ex_out + (static_cast<int64_t>(pair_lane[m]) * K + pair_slot[m]) * d;
       const int64_t row0 = b - round_first;
-      add(L.down_exps.expert(e), end - b, sc.ex_gate + row0 * F, F, nullptr, nullptr, 0, &lists.y_cols[row0]);
+      jobs.push_back(MatmulJob::product(L.down_exps.expert(e), end - b, sc.ex_gate + row0 * F, F, nullptr, 0, nullptr, &lists.y_cols[row0]));
     }
-    if (shared_now) add(L.down_sh, n, sh_gate, F, nullptr, sc.ex_down, d, nullptr);
+    if (shared_now) jobs.push_back(MatmulJob::product(L.down_sh, n, sh_gate, F, sc.ex_down, d));
     matmul_batch(jobs.data(), static_cast<int>(jobs.size()), pool);
     for (int m = round_first; m < round_first + count; ++m) {
       const int64_t i = pair_lane[m], k = pair_slot[m];

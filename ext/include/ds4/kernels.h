@@ -101,6 +101,22 @@ struct MatmulJob {
   void (*after)(const MatmulJob& job, int64_t r0, int64_t r1) = nullptr;
   const void* ctx = nullptr;  // for after
 
+  // Y = W·X over ncols columns: column c of X at X + c*ldx (or x_cols[c]), of Y at Y + c*ldy
+  // (or y_cols[c]).
+  static MatmulJob product(const TensorView& W, int ncols, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                           const float* const* x_cols = nullptr, float* const* y_cols = nullptr) {
+    MatmulJob j;
+    j.W = W;
+    j.ncols = ncols;
+    j.X = X;
+    j.ldx = ldx;
+    j.Y = Y;
+    j.ldy = ldy;
+    j.x_cols = x_cols;
+    j.y_cols = y_cols;
+    return j;
+  }
+
   const float* x(int c) const { return x_cols ? x_cols[c] : X + c * ldx; }
   float* y(int c) const { return y_cols ? y_cols[c] : Y + c * ldy; }
   float* y2(int c) const { return y2_cols ? y2_cols[c] : Y2 + c * ldy; }
