@@ -250,45 +250,28 @@ def test_graph_replay_gives_the_same_bits(invariance_case) -> None:
     assert 2 <= eng.graphs_captured < 60
 
 
-def test_tall_matvec_gives_the_same_bits(model_dir: Path) -> None:
+@pytest.mark.parametrize("switch", ["use_tall_matvec", "use_staged_matvec"])
+def test_matvec_variants_give_the_same_bits(model_dir: Path, switch: str) -> None:
+    """matvec's tall variant (the 16448-row LM head) and its staged kernel (products of 2+
+    columns: q_b and the LM head) against the direct kernel, eager and under graphs, with rows of
+    1, 4 and 2 lanes a step."""
     mf = model(model_dir, "tallvocab", seed=5)
-    target = prompt(mf, 51, 150)
-    seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 52, 90), slot=3, pages=[4, 5], rows=4, start=2)]
-    eng = gpu_engine(mf, max_rows=24)
-    eng.use_graphs = False
-    eng.use_tall_matvec = False
-    want = run(eng, seqs)
-    for graphs in (False, True):
-        eng.use_graphs = graphs
-        eng.use_tall_matvec = True
-        assert eng.use_tall_matvec
-        eng.reset_slot(0)
-        eng.reset_slot(3)
-        got = run(eng, seqs)
-        for g, w in zip(got, want):
-            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
-
-
-def test_staged_matvec_gives_the_same_bits(model_dir: Path) -> None:
-    """The staged kernel (products of 2+ columns: here q_b and the 16448-row LM head) against the
-    direct kernel, eager and under graphs, with rows of 1 and 4 and 7 lanes a step."""
-    mf = model(model_dir, "tallvocab", seed=5)
-    target = prompt(mf, 53, 120)
-    seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 54, 70), slot=2, pages=[4, 5], rows=4, start=2),
+    seqs = [Seq(prompt(mf, 53, 120), slot=0, pages=[0, 1], rows=1),
+            Seq(prompt(mf, 54, 70), slot=2, pages=[4, 5], rows=4, start=2),
             Seq(prompt(mf, 55, 40), slot=5, pages=[8], rows=2, start=1)]
     eng = gpu_engine(mf, max_rows=24)
     eng.use_graphs = False
-    eng.use_staged_matvec = False
+    setattr(eng, switch, False)
     want = run(eng, seqs)
     for graphs in (False, True):
         eng.use_graphs = graphs
-        eng.use_staged_matvec = True
-        assert eng.use_staged_matvec
+        setattr(eng, switch, True)
+        assert getattr(eng, switch)
         for s in (0, 2, 5):
             eng.reset_slot(s)
         got = run(eng, seqs)
         for g, w in zip(got, want):
-            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"graphs={graphs}"
+            assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{switch}, graphs={graphs}"
 
 
 def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -> None:
