@@ -151,7 +151,7 @@ struct GpuEngine::Impl {
   int64_t cw = 0, icw = 0, n_idx = 0, n_sel = 0;
   float *x_hc, *mix_buf, *post_buf, *comb_buf, *u, *q_lat, *q, *kvf, *comp_kv, *comp_sc, *idx_q, *idx_w, *idx_kv,
       *idx_sc, *attn_out, *o_low, *y, *router, *sel_w, *ex_gate, *ex_up, *ex_down, *sh_gate, *sh_up, *sh_down,
-      *idx_scores, *head_in, *logits;
+      *idx_scores, *head_in, *logits, *attn_part;
   uint16_t* kv16;
   int32_t *sel_id, *pair_row, *sorted_pairs, *n_parts, *comp_sel;
   ExpertPart* parts;
@@ -198,7 +198,7 @@ struct GpuEngine::Impl {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
   }
   void download_logits(float* out, uint64_t bytes);
-  void hc_pre_site(const HcWeights& w);
+  void hc_pre_site(const HcWeights& w, const float* norm);
   void attention_layer(int l);
   void ffn_layer(int l);
   void head();
@@ -390,6 +390,9 @@ void GpuEngine::Impl::carve_scratch() {
       {reinterpret_cast<void**>(&head_in), 4 * R * d},
       {reinterpret_cast<void**>(&logits), 4 * R * cfg.n_vocab},
       {reinterpret_cast<void**>(&inv_freq), 8 * static_cast<int64_t>(cfg.n_layer) * (cfg.rope_dim / 2)},
+      // attention's split partials (paged_ops.cu): R x n_head x 8 splits x (head_dim + 2) floats
+      {reinterpret_cast<void**>(&attn_part), 4 * attention_part_floats(static_cast<int>(R), static_cast<int>(nh),
+                                                                       static_cast<int>(hd))},
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
@@ -449,11 +452,12 @@ void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const
   DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
 }
 
-void GpuEngine::Impl::hc_pre_site(const HcWeights& w) {
+// mHC pre, then the site's RMSNorm (attn_norm / ffn_norm) fused into the same kernel: u = norm(sum pre_j X_j).
+void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   mv(w.fn, x_hc, n, hcd, mix_buf, mix);
-  hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, u,
-         post_buf, comb_buf, stream);
+  hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, norm,
+         u, post_buf, comb_buf, stream);
 }
 
 void GpuEngine::Impl::attention_layer(int l) {
@@ -466,8 +470,7 @@ void GpuEngine::Impl::attention_layer(int l) {
   const float eps = cfg.norm_eps;
 
   // (A) batched projections.
-  hc_pre_site(L.hc_attn);
-  rms_norm(u, d, L.attn_norm, u, d, n, d, eps, stream);
+  hc_pre_site(L.hc_attn, L.attn_norm);
   mv(L.q_a, u, n, d, q_lat, ql);
   rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream);
   mv(L.q_b, q_lat, n, ql, q, nh * hd);
@@ -579,6 +582,7 @@ void GpuEngine::Impl::attention_layer(int l) {
   at.rope_dim = rd;
   at.inv_freq = freqs(l);
   at.max_keys = max_keys;
+  at.part = attn_part;
   attention_paged(at, lanes, n, stream);
   ring_store(ring, kv16, n, static_cast<int>(hd), lanes, stream);
 
@@ -598,8 +602,7 @@ void GpuEngine::Impl::ffn_layer(int l) {
   const LayerWeights& L = dw.layers[l];
   const int64_t d = cfg.n_embd, F = cfg.expert_ffn;
   const int E = cfg.n_expert, K = cfg.n_expert_used;
-  hc_pre_site(L.hc_ffn);
-  rms_norm(u, d, L.ffn_norm, u, d, n, d, cfg.norm_eps, stream);
+  hc_pre_site(L.hc_ffn, L.ffn_norm);
   mv(L.gate_inp, u, n, d, router, E);
   route(router, n, E, K, l < cfg.n_hash_layers, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
         cfg.expert_weights_scale, sel_id, sel_w, stream);
@@ -632,8 +635,7 @@ void GpuEngine::Impl::head() {
   if (n_out == 0) return;
   mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
   hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
-          cfg.norm_eps, head_in, stream);
-  rms_norm(head_in, d, dw.output_norm, head_in, d, n_out, d, cfg.norm_eps, stream);
+          cfg.norm_eps, dw.output_norm, head_in, stream);  // output_norm fused
   mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
 }
 

@@ -2,13 +2,16 @@
 // same formulas (ext/engine/mhc.cpp, ops.cpp, moe.cpp) and a lane-local fixed order.
 //
 // replicate_streams  grid n, 256 threads; copies stream 0 to the others. Bytes: 4 (hc-1) d per lane.
-// hc_pre             grid n, 256 threads: rho over the hc*d state (double), warp 0 builds pre,
-//                    post and comb (Sinkhorn with one lane per matrix entry when hc*hc <= 32, else
-//                    one thread), then u = sum_j pre_j X[j]. Bytes: the state twice (8 hc d), u out
-//                    (4 d). (One thread walking the 4x4 in shared memory took ~45 of its 53 us.)
+// hc_pre             grid (2, n), 1024 threads (hc_mix_kernel): both blocks of a lane compute rho
+//                    over the hc*d state (double, 16 loads in flight a thread); block 0 then
+//                    u = sum_j pre_j X[j] and the attn/ffn RMSNorm of u (fused: one launch fewer);
+//                    block 1, at the same time, post and comb (Sinkhorn with one lane per matrix
+//                    entry when hc*hc <= 32, else one thread). Bytes: the state twice per block
+//                    (8 hc d, the second from L2), u out (4 d). (Before: one block of 256 threads
+//                    ran rho, Sinkhorn, u in series, then a separate rms_norm: 14 + 3 us.)
 // hc_post            grid (d/256, n), one element a thread; comb and post in shared. Bytes: 8 hc d +
 //                    4 d. (One block a lane left it latency-bound: 22 us a call.)
-// hc_head            grid n_out, like hc_pre without Sinkhorn.
+// hc_head            grid (1, n_out), hc_mix_kernel's block 0 without Sinkhorn, output_norm fused.
 // q_heads            grid n * n_head, 256 threads: RMSNorm then RoPE on one head, in place.
 // kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
 // idx_q_finish       grid n * heads: RoPE, Hadamard + FP4 (qat) per indexer head, in place.
@@ -104,41 +107,83 @@ __device__ float sinkhorn_warp(float v, int n, int iters, float eps) {
   return v;
 }
 
-__global__ void __launch_bounds__(kRowThreads)
-    hc_pre_kernel(const float* __restrict__ X, int hc, int64_t d, const float* __restrict__ mix, int64_t mix_ld,
-                  const float* __restrict__ scale, const float* __restrict__ base, int iters, float hc_eps,
-                  float norm_eps, float* __restrict__ U, float* __restrict__ post, float* __restrict__ comb) {
-  __shared__ double red[kRowWarps];
+// mHC pre and hc_head, with the RMSNorm that follows each fused in. grid (parts, rows) x 1024
+// threads; row j reads lane lanes[j] (lanes null: lane j). Both parts first compute rho over the
+// lane's hc * d state (double, strided threads with 16 loads in flight, then the 32-warp tree).
+// Part 0: pre_k = sigmoid(scale0 * rho * mix_k + base_k) + hc_eps, u = sum_k pre_k X[k] (k in
+// order), then, when norm_w is given, U = (u * r) * norm_w with r from u's sum of squares (the
+// RMSNorm formula). Part 1 (hc_pre only): post and comb (Sinkhorn, one lane per matrix entry when
+// hc * hc <= 32, else one thread), in parallel with part 0 instead of after it.
+// HC > 0: hc known at compile time (the streams' loads batched); 0: run time.
+template <int HC>
+__global__ void __launch_bounds__(kWideThreads)
+    hc_mix_kernel(const float* __restrict__ X, const int32_t* __restrict__ lanes, int hc_rt, int64_t d,
+                  const float* __restrict__ mix, int64_t mix_ld, const float* __restrict__ scale,
+                  const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
+                  const float* __restrict__ norm_w, float* __restrict__ U, float* __restrict__ post,
+                  float* __restrict__ comb) {
+  const int hc = HC > 0 ? HC : hc_rt;
+  extern __shared__ float u_s[];  // [d]: u before its norm (part 0 with norm_w)
+  __shared__ double red[kWideWarps];
   __shared__ float pre_s[kMaxHcDev];
   __shared__ float c_s[kMaxHcDev * kMaxHcDev];
-  const int i = static_cast<int>(blockIdx.x);
+  const int row = static_cast<int>(blockIdx.y);
+  const int i = lanes ? lanes[row] : row;
+  const int tid = static_cast<int>(threadIdx.x);
   const float* x = X + static_cast<int64_t>(i) * hc * d;
-  const float rho = rms_factor(x, static_cast<int64_t>(hc) * d, norm_eps, red);
-  if (threadIdx.x < DS4_WARP) {
-    const int lane = static_cast<int>(threadIdx.x);
-    const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
-    for (int k = lane; k < hc; k += DS4_WARP) {
-      pre_s[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
-      post[i * hc + k] = 2.0f * sigmoid_dev(scale[1] * (rho * raw[hc + k]) + base[hc + k]);
+  const int64_t hd_total = static_cast<int64_t>(hc) * d;
+  const double ss = block_sum_wide(strided_sumsq(x, hd_total, tid, kWideThreads), red);
+  const float rho = static_cast<float>(1.0 / sqrt(ss / static_cast<double>(hd_total) + static_cast<double>(norm_eps)));
+  const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
+
+  if (blockIdx.x == 1) {  // post and comb; the block's other warps are done
+    if (tid < DS4_WARP) {
+      const int lane = tid;
+      for (int k = lane; k < hc; k += DS4_WARP)
+        post[i * hc + k] = 2.0f * sigmoid_dev(scale[1] * (rho * raw[hc + k]) + base[hc + k]);
+      if (hc * hc <= DS4_WARP) {
+        float v = 0.0f;
+        if (lane < hc * hc) v = scale[2] * (rho * raw[2 * hc + lane]) + base[2 * hc + lane];
+        v = sinkhorn_warp(v, hc, iters, hc_eps);
+        if (lane < hc * hc) comb[i * hc * hc + lane] = v;
+      } else if (lane == 0) {
+        for (int k = 0; k < hc * hc; ++k) c_s[k] = scale[2] * (rho * raw[2 * hc + k]) + base[2 * hc + k];
+        sinkhorn_dev(c_s, hc, iters, hc_eps);
+        for (int k = 0; k < hc * hc; ++k) comb[i * hc * hc + k] = c_s[k];
+      }
     }
-    if (hc * hc <= DS4_WARP) {
-      float v = 0.0f;
-      if (lane < hc * hc) v = scale[2] * (rho * raw[2 * hc + lane]) + base[2 * hc + lane];
-      v = sinkhorn_warp(v, hc, iters, hc_eps);
-      if (lane < hc * hc) comb[i * hc * hc + lane] = v;
-    } else if (lane == 0) {
-      for (int k = 0; k < hc * hc; ++k) c_s[k] = scale[2] * (rho * raw[2 * hc + k]) + base[2 * hc + k];
-      sinkhorn_dev(c_s, hc, iters, hc_eps);
-      for (int k = 0; k < hc * hc; ++k) comb[i * hc * hc + k] = c_s[k];
-    }
+    return;
   }
+
+  if (tid < hc) pre_s[tid] = sigmoid_dev(scale[0] * (rho * raw[tid]) + base[tid]) + hc_eps;
   __syncthreads();
-  float* u = U + static_cast<int64_t>(i) * d;
-  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
-    float acc = 0.0f;
-    for (int j = 0; j < hc; ++j) acc += pre_s[j] * x[j * d + k];
-    u[k] = acc;
+  float pre[HC > 0 ? HC : 1];
+  if constexpr (HC > 0) {
+#pragma unroll
+    for (int s = 0; s < HC; ++s) pre[s] = pre_s[s];
   }
+  float* u = U + static_cast<int64_t>(row) * d;
+  double uss = 0.0;
+#pragma unroll 4
+  for (int64_t k = tid; k < d; k += kWideThreads) {
+    float acc = 0.0f;
+    if constexpr (HC > 0) {
+#pragma unroll
+      for (int s = 0; s < HC; ++s) acc += pre[s] * x[s * d + k];
+    } else {
+      for (int s = 0; s < hc; ++s) acc += pre_s[s] * x[s * d + k];
+    }
+    if (norm_w) {
+      u_s[k] = acc;
+      uss += static_cast<double>(acc) * acc;
+    } else {
+      u[k] = acc;
+    }
+  }
+  if (!norm_w) return;  // the same for the whole block
+  const double ut = block_sum_wide(uss, red);
+  const float r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(norm_eps)));
+  for (int64_t k = tid; k < d; k += kWideThreads) u[k] = (u_s[k] * r) * norm_w[k];
 }
 
 // HC > 0: hc_mult known at compile time (the streams stay in registers); 0: hc is a run-time value.
@@ -170,29 +215,6 @@ __global__ void __launch_bounds__(kRowThreads)
         if (j < hc) acc += c_s[j * hc + k] * old[j];
       x[k * d + e] = acc;
     }
-  }
-}
-
-__global__ void __launch_bounds__(kRowThreads)
-    hc_head_kernel(const float* __restrict__ X, const int32_t* __restrict__ lanes, int hc, int64_t d,
-                   const float* __restrict__ mix, int64_t mix_ld, const float* __restrict__ scale,
-                   const float* __restrict__ base, float hc_eps, float norm_eps, float* __restrict__ out) {
-  __shared__ double red[kRowWarps];
-  __shared__ float wt[kMaxHcDev];
-  const int j = static_cast<int>(blockIdx.x);
-  const int i = lanes[j];
-  const float* x = X + static_cast<int64_t>(i) * hc * d;
-  const float rho = rms_factor(x, static_cast<int64_t>(hc) * d, norm_eps, red);
-  if (threadIdx.x == 0) {
-    const float* raw = mix + static_cast<int64_t>(i) * mix_ld;
-    for (int k = 0; k < hc; ++k) wt[k] = sigmoid_dev(scale[0] * (rho * raw[k]) + base[k]) + hc_eps;
-  }
-  __syncthreads();
-  float* h = out + static_cast<int64_t>(j) * d;
-  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
-    float acc = 0.0f;
-    for (int s = 0; s < hc; ++s) acc += wt[s] * x[s * d + k];
-    h[k] = acc;
   }
 }
 
@@ -395,12 +417,29 @@ void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
   DS4_GPU_CHECK_LAUNCH("replicate_kernel");
 }
 
+// The fused mHC kernels keep u in shared memory for its norm (d floats, at most 48 KB).
+static void launch_hc_mix(int parts, const float* X, const int32_t* lanes, int rows, int hc, int64_t d,
+                          const float* mix, int64_t mix_ld, const float* scale, const float* base, int iters,
+                          float hc_eps, float norm_eps, const float* norm_w, float* U, float* post, float* comb,
+                          cudaStream_t st) {
+  if (d <= 0 || d > 12 * 1024) throw std::invalid_argument("GPU mHC: n_embd must be 1..12288");
+  const size_t smem = norm_w ? static_cast<size_t>(d) * sizeof(float) : 0;
+  const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(rows));
+  if (hc == 4)
+    hc_mix_kernel<4><<<grid, kWideThreads, smem, st>>>(X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
+                                                       norm_eps, norm_w, U, post, comb);
+  else
+    hc_mix_kernel<0><<<grid, kWideThreads, smem, st>>>(X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
+                                                       norm_eps, norm_w, U, post, comb);
+}
+
 void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
-            const float* base, int iters, float hc_eps, float norm_eps, float* U, float* post, float* comb, Stream s) {
+            const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w, float* U, float* post,
+            float* comb, Stream s) {
   if (n <= 0) return;
-  hc_pre_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d, mix, mix_ld, scale, base, iters, hc_eps, norm_eps, U, post,
-                                              comb);
-  DS4_GPU_CHECK_LAUNCH("hc_pre_kernel");
+  launch_hc_mix(2, X, nullptr, n, hc, d, mix, mix_ld, scale, base, iters, hc_eps, norm_eps, norm_w, U, post, comb,
+                cs(s));
+  DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (pre)");
 }
 
 void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s) {
@@ -414,10 +453,12 @@ void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* po
 }
 
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
-             const float* scale, const float* base, float hc_eps, float norm_eps, float* out, Stream s) {
+             const float* scale, const float* base, float hc_eps, float norm_eps, const float* norm_w, float* out,
+             Stream s) {
   if (n_out <= 0) return;
-  hc_head_kernel<<<n_out, kRowThreads, 0, cs(s)>>>(X, lanes, hc, d, mix, mix_ld, scale, base, hc_eps, norm_eps, out);
-  DS4_GPU_CHECK_LAUNCH("hc_head_kernel");
+  launch_hc_mix(1, X, lanes, n_out, hc, d, mix, mix_ld, scale, base, 0, hc_eps, norm_eps, norm_w, out, nullptr,
+                nullptr, cs(s));
+  DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (head)");
 }
 
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,

@@ -3,19 +3,19 @@
 // result never depends on the other lanes of the launch).
 //
 // rms_norm        one block (256 threads) per row; sum of squares in double (strided per thread,
-//                 then the butterfly and a fixed 8-warp tree); y = (x * r) * w as the CPU rounds
-//                 it. Bytes: 8 per element (read x, write y) + 4 for w.
+//                 16 loads in flight, then the butterfly and a fixed 8-warp tree); y = (x * r) * w
+//                 as the CPU rounds it. Bytes: 8 per element (read x, write y) + 4 for w.
 // embed_rows      one block (128 threads) per token: the row is decoded with matvec.cuh's units,
 //                 so every value equals the CPU dequantizer's. Bytes: one row in, 4 * K out.
 // rope_tail       one block (128 threads) per row: cos/sin of pos * inv_freq in double, rounded
 //                 once to float (as RopeTable::init), then x0*c - x1*s, x0*s + x1*c per pair.
 //                 Bytes: 8 per rotated element.
-// attention_sink  block (head group, lane): HB heads (4, 2 or 1: what the logits fit in shared
-//                 memory) x 256 threads. Phase 1: warps take keys in turn, lanes split head_dim
-//                 in 8-element chunks (16-byte f16 loads), butterfly per head. Phase 2: per head,
-//                 max with the sink, exp, sum (fixed tree), p = e * (1/den). Phase 3: thread t owns
-//                 elements 2t, 2t+1 and sums p_j * k_j over j in order (mul, then add, as the
-//                 CPU). Bytes: the lane's key rows twice per head group (from L2 after the first).
+// attention_sink  the engine's split attention (rowops.cuh) over gathered rows: a split kernel,
+//                 grid (head groups of 4 or 2, splits, lanes) x 256 threads, then a combine kernel,
+//                 grid (heads, lanes) x 128 threads. Each lane's keys are cut by its own count only
+//                 (at most 8 splits of at least 64 keys). Bytes: the lane's key rows per head group
+//                 (from L2 after the first), partials 4 * (head_dim + 2) per (lane, head, split).
+//                 Allocates the partials for the call and synchronizes (a testing entry point).
 // argmax_rows     one block (1024 threads) per row; (value, index) reduction, first index on ties,
 //                 NaN largest (numpy's argmax). Bytes: 4 per element.
 #include <algorithm>
@@ -24,6 +24,7 @@
 
 #include "ds4_gpu.h"
 #include "matvec.cuh"
+#include "rowops.cuh"
 
 namespace ds4::gpu {
 
@@ -40,8 +41,7 @@ __global__ void __launch_bounds__(kNormThreads)
   __shared__ float r_shared;
   const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
   float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
-  double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += kNormThreads) ss += static_cast<double>(x[i]) * x[i];
+  double ss = strided_sumsq(x, n, static_cast<int>(threadIdx.x), kNormThreads);  // loads batched, same order
   ss = warp_sum(ss);
   if (threadIdx.x % DS4_WARP == 0) part[threadIdx.x / DS4_WARP] = ss;
   __syncthreads();
@@ -114,119 +114,40 @@ __global__ void __launch_bounds__(128)
 
 // --- attention with the sink column -------------------------------------------------------------
 
-constexpr int kAttnThreads = 256;
-constexpr int kAttnWarps = kAttnThreads / DS4_WARP;
-constexpr int kAttnMaxDim = 512;  // head_dim limit: 2 chunks of 8 per lane, 1 element pair per thread
-
-__device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
-  const uint4 v = ds4_ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = half_bits_to_float(w[i] & 0xffffu);
-    f[2 * i + 1] = half_bits_to_float(w[i] >> 16);
-  }
-}
-
-__device__ __forceinline__ float warp_max(float v) {
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) v = fmaxf(v, ds4_shfl_xor(v, m));
-  return v;
-}
-
+// grid (head groups, splits bound, lanes): one split of one lane's gathered keys for HB heads,
+// the same block arithmetic as the engine's paged attention (rowops.cuh).
 template <int HB>
 __global__ void __launch_bounds__(kAttnThreads)
-    attention_sink_kernel(const float* __restrict__ q, const uint16_t* __restrict__ kv,
-                          const int32_t* __restrict__ key_rows, const int32_t* __restrict__ key_off, int n_head,
-                          int head_dim, const float* __restrict__ sinks, float scale, int max_keys,
-                          float* __restrict__ out) {
-  extern __shared__ float lg[];  // [HB][max_keys]: logits, then probabilities
-  constexpr int CH = kAttnMaxDim / 8 / DS4_WARP;
-  const int li = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.x) * HB;
-  const int nh = min(HB, n_head - h0);
+    attention_sink_split_kernel(const float* __restrict__ q, const uint16_t* __restrict__ kv,
+                                const int32_t* __restrict__ key_rows, const int32_t* __restrict__ key_off, int n_head,
+                                int head_dim, float scale, int max_keys, int cap, float* __restrict__ po,
+                                float* __restrict__ pst) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);
+  float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * cap);
+  const int li = static_cast<int>(blockIdx.z), c = static_cast<int>(blockIdx.y);
+  const int h0 = static_cast<int>(blockIdx.x) * HB, nh = min(HB, n_head - h0);
   const int j0 = key_off[li];
   const int n = min(key_off[li + 1] - j0, max_keys);  // the launcher's bound keeps shared memory safe
-  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
-  const int chunks = head_dim / 8;
+  if (c >= attn_splits(n)) return;
+  const int chunk = attn_split_keys(n), first = j0 + c * chunk, nk = min(chunk, n - c * chunk);
+  for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads)
+    kp[j] = kv + static_cast<int64_t>(key_rows[first + j]) * head_dim;
+  const int64_t head = static_cast<int64_t>(li) * n_head + h0;
+  attn_split_block<HB>(kp, nk, lg, cap, q + head * head_dim, head_dim, nh, scale,
+                       po + (head * kAttnMaxSplits + c) * head_dim, pst + (head * kAttnMaxSplits + c) * 2);
+}
 
-  // Phase 1: logits. Lane l holds chunks l and l + 32 of each head's query.
-  float qr[HB][CH][8];
-#pragma unroll
-  for (int h = 0; h < HB; ++h)
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const int c = lane + DS4_WARP * j;
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        qr[h][j][e] = (h < nh && c < chunks)
-                          ? q[(static_cast<int64_t>(li) * n_head + h0 + h) * head_dim + 8 * c + e]
-                          : 0.0f;
-    }
-  for (int i = warp; i < n; i += kAttnWarps) {
-    const uint16_t* row = kv + static_cast<int64_t>(key_rows[j0 + i]) * head_dim;
-    float kf[CH][8];
-#pragma unroll
-    for (int j = 0; j < CH; ++j)
-      if (lane + DS4_WARP * j < chunks) load_f16x8(row + 8 * (lane + DS4_WARP * j), kf[j]);
-#pragma unroll
-    for (int h = 0; h < HB; ++h) {
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < CH; ++j)
-        if (lane + DS4_WARP * j < chunks) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(qr[h][j][e], kf[j][e], s);
-        }
-      s = warp_sum(s);
-      if (lane == 0 && h < nh) lg[h * max_keys + i] = s * scale;
-    }
-  }
-  __syncthreads();
-
-  // Phase 2: softmax with the sink in the denominator, one warp per head.
-  if (warp < nh) {
-    float* l = lg + warp * max_keys;
-    const float sink = sinks[h0 + warp];
-    float mx = sink;
-    for (int i = lane; i < n; i += DS4_WARP) mx = fmaxf(mx, l[i]);
-    mx = warp_max(mx);
-    float part = 0.0f;
-    for (int i = lane; i < n; i += DS4_WARP) {
-      const float e = expf(l[i] - mx);
-      l[i] = e;
-      part += e;
-    }
-    const float den = expf(sink - mx) + warp_sum(part);
-    const float inv = 1.0f / den;
-    for (int i = lane; i < n; i += DS4_WARP) l[i] *= inv;
-  }
-  __syncthreads();
-
-  // Phase 3: out = sum_j p_j k_j, in key order for every element.
-  const int pairs = head_dim / 2;
-  for (int e2 = static_cast<int>(threadIdx.x); e2 < pairs; e2 += kAttnThreads) {
-    float o[HB][2];
-#pragma unroll
-    for (int h = 0; h < HB; ++h) o[h][0] = o[h][1] = 0.0f;
-    for (int i = 0; i < n; ++i) {
-      const uint32_t kk =
-          ds4_ldg(reinterpret_cast<const uint32_t*>(kv + static_cast<int64_t>(key_rows[j0 + i]) * head_dim) + e2);
-      const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);
-#pragma unroll
-      for (int h = 0; h < HB; ++h) {
-        const float p = lg[h * max_keys + i];
-        o[h][0] += p * k0;
-        o[h][1] += p * k1;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < HB; ++h)
-      if (h < nh) {
-        float* dst = out + (static_cast<int64_t>(li) * n_head + h0 + h) * head_dim + 2 * e2;
-        dst[0] = o[h][0];
-        dst[1] = o[h][1];
-      }
-  }
+// grid (heads, lanes): the splits merged with the sink (no RoPE here).
+__global__ void __launch_bounds__(kAttnCombineThreads)
+    attention_sink_combine_kernel(const int32_t* __restrict__ key_off, int n_head, int head_dim,
+                                  const float* __restrict__ sinks, int max_keys, const float* __restrict__ po,
+                                  const float* __restrict__ pst, float* __restrict__ out) {
+  const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
+  const int n = min(key_off[li + 1] - key_off[li], max_keys);
+  const int64_t head = static_cast<int64_t>(li) * n_head + h;
+  attn_combine_head(po + head * kAttnMaxSplits * head_dim, pst + head * kAttnMaxSplits * 2, attn_splits(n), sinks[h],
+                    head_dim, head_dim / 2, nullptr, nullptr, out + head * head_dim);
 }
 
 // --- argmax -------------------------------------------------------------------------------------
@@ -287,16 +208,16 @@ int smem_optin_limit() {
 
 template <int HB>
 void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_rows, const int32_t* key_off, int n_lanes,
-                      int n_head, int head_dim, const float* sinks, int max_keys, float* out, size_t smem,
+                      int n_head, int head_dim, int max_keys, int cap, int splits, float* po, float* pst, size_t smem,
                       cudaStream_t s) {
   if (smem > 48 * 1024)
-    DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_sink_kernel<HB>),
-                                       cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                       static_cast<int>(smem)));
+    DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_sink_split_kernel<HB>),
+                                       cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
-  const dim3 grid(static_cast<unsigned>((n_head + HB - 1) / HB), static_cast<unsigned>(n_lanes));
-  attention_sink_kernel<HB><<<grid, kAttnThreads, smem, s>>>(q, kv, key_rows, key_off, n_head, head_dim, sinks, scale,
-                                                             max_keys, out);
+  const dim3 grid(static_cast<unsigned>((n_head + HB - 1) / HB), static_cast<unsigned>(splits),
+                  static_cast<unsigned>(n_lanes));
+  attention_sink_split_kernel<HB><<<grid, kAttnThreads, smem, s>>>(q, kv, key_rows, key_off, n_head, head_dim, scale,
+                                                                   max_keys, cap, po, pst);
 }
 
 }  // namespace
@@ -348,19 +269,46 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
   if (max_keys < 0 || n_head <= 0) throw std::invalid_argument("GPU attention: bad max_keys or n_head");
   if (n_lanes <= 0) return;
   const int limit = smem_optin_limit();
-  const size_t per_head = static_cast<size_t>(std::max(max_keys, 1)) * sizeof(float);
+  const int bound = std::max(max_keys, 1);
+  const int cap = attn_split_keys(bound), splits = attn_splits(bound);
+  auto need = [&](int hb) { return static_cast<size_t>(cap) * (sizeof(void*) + hb * sizeof(float)); };
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // The head group size only changes how many heads share a block, never a head's arithmetic.
-  if (4 * per_head <= static_cast<size_t>(limit) && n_head >= 4)
-    launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, 4 * per_head, s);
-  else if (2 * per_head <= static_cast<size_t>(limit) && n_head >= 2)
-    launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, 2 * per_head, s);
-  else if (per_head <= static_cast<size_t>(limit))
-    launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, sinks, max_keys, out, per_head, s);
-  else
-    throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
-                                " keys per lane do not fit this device's shared memory");
-  DS4_GPU_CHECK_LAUNCH("attention_sink_kernel");
+  // The split partials live for this call only (the engine's paged attention has them in its scratch).
+  const size_t o_floats = static_cast<size_t>(n_lanes) * n_head * kAttnMaxSplits * head_dim;
+  const size_t part_bytes = (o_floats + static_cast<size_t>(n_lanes) * n_head * kAttnMaxSplits * 2) * sizeof(float);
+  float* part = nullptr;
+  DS4_GPU_CHECK(cudaMalloc(&part, part_bytes));
+  float* pst = part + o_floats;
+  cudaError_t err = cudaSuccess;
+  try {
+    // The head group size only changes how many heads share a block, never a head's arithmetic
+    // (the same rule as attention_paged: two heads a block for one or two lanes, else four).
+    const int want = n_lanes <= 2 ? 2 : 4;
+    if (want >= 4 && n_head >= 4 && need(4) <= static_cast<size_t>(limit))
+      launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+                          need(4), s);
+    else if (n_head >= 2 && need(2) <= static_cast<size_t>(limit))
+      launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+                          need(2), s);
+    else if (need(1) <= static_cast<size_t>(limit))
+      launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+                          need(1), s);
+    else
+      throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
+                                  " keys per lane do not fit this device's shared memory");
+    DS4_GPU_CHECK_LAUNCH("attention_sink_split_kernel");
+    const dim3 grid(static_cast<unsigned>(n_head), static_cast<unsigned>(n_lanes));
+    attention_sink_combine_kernel<<<grid, kAttnCombineThreads, 0, s>>>(key_off, n_head, head_dim, sinks, max_keys, part,
+                                                                       pst, out);
+    DS4_GPU_CHECK_LAUNCH("attention_sink_combine_kernel");
+    err = cudaStreamSynchronize(s);
+  } catch (...) {
+    (void)cudaStreamSynchronize(s);
+    (void)cudaFree(part);
+    throw;
+  }
+  (void)cudaFree(part);
+  check(err, "attention_sink");
 }
 
 void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream) {

@@ -18,13 +18,17 @@
 //                      above it and the lowest-index entries equal to it are written in index order
 //                      (two block scans over contiguous per-thread segments). Ties go to the lower
 //                      index, as the CPU's strict order. Bytes: about 6 reads of 4 per entry.
-//   attention_paged    grid (head groups, lanes), 256 threads: the lane's key rows are resolved to
-//                      pointers once (window rows before the slot's first lane of this step come
-//                      from the ring, later ones from this step's f16 rows, so no ring row is
-//                      overwritten before every lane that needs it has read it), then logits, the
-//                      softmax with the sink, sum p k in key order, and the inverse tail RoPE.
-//                      Bytes: the lane's keys (2 * head_dim each) per head group, from L2 after
-//                      the first group.
+//   attention_paged    flash-decoding style, two kernels (rowops.cuh): attention_split grid (head
+//                      groups, splits, lanes), 256 threads: a lane's keys are cut into at most 8
+//                      splits of at least 64 keys, by its own key count only; a block resolves its
+//                      split's key rows to pointers (window rows before the slot's first lane of this
+//                      step come from the ring, later ones from this step's f16 rows, so no ring row
+//                      is overwritten before every lane that needs it has read it), then per head
+//                      the logits, their max and exp-sum and sum e k in key order. attention_combine
+//                      grid (heads, lanes), 128 threads: the splits merged in order with the sink,
+//                      then the inverse tail RoPE. Bytes: the lane's keys (2 * head_dim each) per
+//                      head group, from L2 after the first group; partials 4 * (head_dim + 2) per
+//                      (lane, head, split), written once and read once.
 //   ring_store         grid = lanes: this step's rows into the rings, after attention (the last
 //                      128 positions of each slot). Bytes: 4 * head_dim per lane.
 #include <algorithm>
@@ -152,6 +156,122 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
+// Heads over lanes: lane l owns the PL consecutive key elements [l * PL, (l + 1) * PL) and forms
+// the partial dot of every head (NV = 32 M heads, those past n_heads zero); five halving rounds
+// then leave lane l the whole dots of heads M l .. M l + M - 1 (round r: the lanes whose bit
+// 16 >> r is set keep the upper half of their values and add the partner's, the others the lower
+// half), so an entry costs 32 M - M shuffles instead of a 5-deep butterfly per head. Then each
+// lane adds w_h ReLU(dot_h) over its heads in order and one butterfly sums the lanes. Fixed order,
+// lane-local: batch invariant. kIdx2PerWarp entries per warp, their key rows loaded together.
+constexpr int kIdx2PerWarp = 2;
+constexpr int kIdx2PerBlock = kIdx2PerWarp * kRowWarps;
+
+template <int PL>
+__device__ __forceinline__ void load_f16_run(const uint16_t* p, float f[PL]) {
+  if constexpr (PL >= 8) {
+#pragma unroll
+    for (int v = 0; v < PL / 8; ++v) load_f16x8(p + 8 * v, f + 8 * v);
+  } else if constexpr (PL == 4) {
+    const uint2 w = ds4_ldg(reinterpret_cast<const uint2*>(p));
+    f[0] = half_bits_to_float(w.x & 0xffffu);
+    f[1] = half_bits_to_float(w.x >> 16);
+    f[2] = half_bits_to_float(w.y & 0xffffu);
+    f[3] = half_bits_to_float(w.y >> 16);
+  } else if constexpr (PL == 2) {
+    const uint32_t w = ds4_ldg(reinterpret_cast<const uint32_t*>(p));
+    f[0] = half_bits_to_float(w & 0xffffu);
+    f[1] = half_bits_to_float(w >> 16);
+  } else {
+    f[0] = half_bits_to_float(ds4_ldg(p));
+  }
+}
+
+// One halving round over the first N values of v: the lanes with bit MASK set keep the upper half
+// (moved down to [0, N/2)), the others the lower half, each adding its partner's copy.
+template <int N, int MASK>
+__device__ __forceinline__ void halve(float* v, int lane) {
+  const bool up = (lane & MASK) != 0;
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const float send = up ? v[k] : v[k + N / 2];
+    const float keep = up ? v[k + N / 2] : v[k];
+    v[k] = keep + ds4_shfl_xor(send, MASK);
+  }
+}
+
+template <int PL, int M>
+__global__ void __launch_bounds__(kRowThreads)
+    indexer_scores_heads_kernel(const float* __restrict__ Q, const float* __restrict__ W, int n_heads, StepLanes L,
+                                const uint16_t* __restrict__ pages, int64_t page_elems, int64_t row_off, int top_k,
+                                float* __restrict__ scores, int64_t ld) {
+  constexpr int HD = PL * DS4_WARP, NV = M * DS4_WARP;
+  extern __shared__ __align__(16) float qs[];  // [NV][HD] queries (zero past n_heads), then [NV] weights
+  const int i = static_cast<int>(blockIdx.y);
+  const int64_t t = L.pos[i];
+  const int64_t n_vis = (t + 1) / 4;
+  const int64_t s0 = static_cast<int64_t>(blockIdx.x) * kIdx2PerBlock;
+  if (n_vis <= top_k || s0 >= n_vis) return;  // all entries fit: no scores needed
+  float* ws = qs + NV * HD;
+  const float* qi = Q + static_cast<int64_t>(i) * n_heads * HD;
+  const int nq = n_heads * HD;  // a multiple of 32
+  for (int e = 4 * static_cast<int>(threadIdx.x); e < NV * HD; e += 4 * kRowThreads) {
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (e < nq) v = ds4_ldg(reinterpret_cast<const uint4*>(qi + e));
+    *reinterpret_cast<uint4*>(qs + e) = v;
+  }
+  for (int h = static_cast<int>(threadIdx.x); h < NV; h += kRowThreads)
+    ws[h] = h < n_heads ? W[static_cast<int64_t>(i) * n_heads + h] : 0.0f;
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int32_t* table = L.tables + static_cast<int64_t>(L.group[i]) * L.max_blocks;
+  float kf[kIdx2PerWarp][PL];
+#pragma unroll
+  for (int q = 0; q < kIdx2PerWarp; ++q) {
+    const int64_t s = s0 + warp * kIdx2PerWarp + q;
+    if (s < n_vis) {
+      const int64_t start = s * 4;
+      const uint16_t* kp = pages + static_cast<int64_t>(table[start / kPage]) * page_elems + row_off +
+                           ((start % kPage) / 4) * HD;
+      load_f16_run<PL>(kp + lane * PL, kf[q]);
+    }
+  }
+  __syncthreads();
+#pragma unroll
+  for (int q = 0; q < kIdx2PerWarp; ++q) {
+    const int64_t s = s0 + warp * kIdx2PerWarp + q;
+    if (s >= n_vis) break;  // the same for the whole warp
+    float v[NV];
+#pragma unroll
+    for (int h = 0; h < NV; ++h) {
+      const float* qh = qs + h * HD + lane * PL;
+      float acc = 0.0f;
+      if constexpr (PL % 4 == 0) {
+#pragma unroll
+        for (int j = 0; j < PL; j += 4) {
+          const float4 x = *reinterpret_cast<const float4*>(qh + j);
+          acc = fmaf(x.x, kf[q][j], acc);
+          acc = fmaf(x.y, kf[q][j + 1], acc);
+          acc = fmaf(x.z, kf[q][j + 2], acc);
+          acc = fmaf(x.w, kf[q][j + 3], acc);
+        }
+      } else {
+#pragma unroll
+        for (int j = 0; j < PL; ++j) acc = fmaf(qh[j], kf[q][j], acc);
+      }
+      v[h] = acc;
+    }
+    halve<NV, 16>(v, lane);
+    halve<NV / 2, 8>(v, lane);
+    halve<NV / 4, 4>(v, lane);
+    halve<NV / 8, 2>(v, lane);
+    halve<NV / 16, 1>(v, lane);
+    float acc = 0.0f;
+#pragma unroll
+    for (int p = 0; p < M; ++p) acc += ws[M * lane + p] * fmaxf(v[p], 0.0f);
+    acc = warp_sum(acc);
+    if (lane == 0) scores[static_cast<int64_t>(i) * ld + s] = acc;
+  }
+}
+
 // --- top-k ---------------------------------------------------------------------------------------
 
 constexpr int kTopkThreads = 1024;
@@ -162,20 +282,29 @@ __device__ __forceinline__ uint32_t order_key(float f) {
   return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
 }
 
-// Exclusive prefix sum of one int per thread (blockDim.x == kTopkThreads); a: shared scratch.
-__device__ int block_exclusive_scan(int v, int* a) {
-  const int tid = static_cast<int>(threadIdx.x);
-  a[tid] = v;
-  __syncthreads();
-  for (int off = 1; off < kTopkThreads; off <<= 1) {
-    const int x = tid >= off ? a[tid - off] : 0;
-    __syncthreads();
-    a[tid] += x;
-    __syncthreads();
+// Inclusive prefix sum over the 32 lanes of a warp (Hillis-Steele by shuffles; integers, exact).
+__device__ __forceinline__ int warp_inclusive_scan(int x) {
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+#pragma unroll
+  for (int off = 1; off < DS4_WARP; off <<= 1) {
+    const int y = ds4_shfl(x, lane >= off ? lane - off : lane);
+    if (lane >= off) x += y;
   }
-  const int incl = a[tid];
+  return x;
+}
+
+// Exclusive prefix sum of one int per thread (blockDim.x == kTopkThreads); a: shared scratch of
+// kTopkThreads / 32 ints. A scan in each warp, then one of the 32 warp totals.
+__device__ int block_exclusive_scan(int v, int* a) {
+  static_assert(kTopkThreads / DS4_WARP == DS4_WARP, "the warp totals are scanned by one warp");
+  const int tid = static_cast<int>(threadIdx.x), lane = tid % DS4_WARP, warp = tid / DS4_WARP;
+  const int incl = warp_inclusive_scan(v);
+  if (lane == DS4_WARP - 1) a[warp] = incl;
   __syncthreads();
-  return incl - v;
+  const int before = warp_inclusive_scan(a[lane]) - a[lane];  // every warp: the totals before warp `lane`
+  const int base = ds4_shfl(before, warp);
+  __syncthreads();
+  return base + incl - v;
 }
 
 __global__ void __launch_bounds__(kTopkThreads)
@@ -183,7 +312,8 @@ __global__ void __launch_bounds__(kTopkThreads)
                         int32_t* __restrict__ sel, int64_t ld_sel) {
   __shared__ uint32_t hist[256];
   __shared__ uint32_t s_prefix, s_mask, s_rem;
-  __shared__ int scan[kTopkThreads];
+  __shared__ uint32_t s_incl[256], s_wsum[256 / DS4_WARP];
+  __shared__ int scan[kTopkThreads / DS4_WARP];
   const int i = static_cast<int>(blockIdx.x), tid = static_cast<int>(threadIdx.x);
   const int64_t n_vis = (static_cast<int64_t>(pos[i]) + 1) / 4;
   const int64_t k = min64(top_k, n_vis);
@@ -202,16 +332,33 @@ __global__ void __launch_bounds__(kTopkThreads)
       if ((key & mask) == prefix) atomicAdd(&hist[(key >> shift) & 255u], 1u);
     }
     __syncthreads();
-    if (tid == 0) {
-      uint32_t cum = 0;
-      int b = 255;
-      for (; b > 0; --b) {
-        if (cum + hist[b] >= rem) break;
-        cum += hist[b];
+    // The bin to descend into: walking b = 255, 254, ..., 1 and stopping at the first b whose
+    // suffix count S(b) = sum_{b' >= b} hist[b'] reaches rem (else b = 0), with rem - S(b + 1)
+    // still to take. S is non-increasing, so that b is the one bin where the condition holds for
+    // b and not for b + 1; 256 threads find it from suffix sums (a scan over bins 255..0) instead
+    // of one thread walking the bins.
+    if (tid < 256) {
+      const int lane = tid % DS4_WARP, warp = tid / DS4_WARP;
+      const int b = 255 - tid;
+      const uint32_t x = static_cast<uint32_t>(warp_inclusive_scan(static_cast<int>(hist[b])));
+      s_incl[tid] = x;
+      if (lane == DS4_WARP - 1) s_wsum[warp] = x;
+    }
+    __syncthreads();
+    if (tid < 256) {
+      const int warp = tid / DS4_WARP;
+      const int b = 255 - tid;
+      uint32_t base = 0;
+      for (int w = 0; w < warp; ++w) base += s_wsum[w];
+      const uint32_t incl = base + s_incl[tid];  // S(b)
+      const uint32_t excl = incl - hist[b];        // S(b + 1)
+      const bool here = b == 0 || incl >= rem;
+      const bool above = b < 255 && excl >= rem;
+      if (here && !above) {
+        s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
+        s_mask = mask | (255u << shift);
+        s_rem = rem - excl;
       }
-      s_prefix = prefix | (static_cast<uint32_t>(b) << shift);
-      s_mask = mask | (255u << shift);
-      s_rem = rem - cum;
     }
     __syncthreads();
     prefix = s_prefix;
@@ -250,160 +397,85 @@ __global__ void __launch_bounds__(kTopkThreads)
 
 // --- attention -----------------------------------------------------------------------------------
 
-constexpr int kAttnThreads = 256;
-constexpr int kAttnWarps = kAttnThreads / DS4_WARP;
-constexpr int kAttnMaxDim = 512;
-constexpr int kMaxRopeHalf = 256;
+// A lane's keys, in the CPU's order: window positions max(0, t-127)..t, then compressed entries.
+struct LaneKeys {
+  int64_t t = 0, t0 = 0, win_first = 0;
+  int n_win = 0, n = 0;
+  bool use_sel = false;
+};
 
-__device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
-  const uint4 v = ds4_ldg(reinterpret_cast<const uint4*>(p));
-  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = half_bits_to_float(w[i] & 0xffffu);
-    f[2 * i + 1] = half_bits_to_float(w[i] >> 16);
+__device__ __forceinline__ LaneKeys lane_keys(const AttentionLaunch& a, const StepLanes& L, int li) {
+  LaneKeys k;
+  k.t = L.pos[li];
+  k.t0 = L.t0[li];
+  k.win_first = k.t > kPage - 1 ? k.t - (kPage - 1) : 0;
+  k.n_win = static_cast<int>(k.t - k.win_first + 1);
+  int n_comp = 0;
+  if (a.ratio == 4) {
+    const int64_t n_vis = (k.t + 1) / 4;
+    n_comp = static_cast<int>(min64(a.top_k, n_vis));
+    k.use_sel = n_comp < n_vis;
+  } else if (a.ratio == kPage) {
+    n_comp = static_cast<int>((k.t + 1) / kPage);
   }
+  k.n = min(k.n_win + n_comp, a.max_keys);  // the launcher's bound keeps shared memory safe
+  return k;
 }
 
-template <int HB>
-__global__ void __launch_bounds__(kAttnThreads) attention_paged_kernel(AttentionLaunch a, StepLanes L) {
-  extern __shared__ __align__(16) unsigned char smem[];
-  const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);         // [max_keys] key rows
-  float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * a.max_keys);  // [HB][max_keys]
-  __shared__ float rc[kMaxRopeHalf], rs[kMaxRopeHalf];
-  constexpr int CH = kAttnMaxDim / 8 / DS4_WARP;
-  const int hd = a.head_dim, max_keys = a.max_keys;
-  const int li = static_cast<int>(blockIdx.y), h0 = static_cast<int>(blockIdx.x) * HB;
-  const int nh = min(HB, a.n_head - h0);
-  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
-
-  // The lane's keys, in the CPU's order: window positions ascending, then compressed entries.
-  const int64_t t = L.pos[li], t0 = L.t0[li];
-  const int g = L.group[li], slot = L.slot[li], gfirst = L.grp_first[g];
-  const int64_t win_first = t > kPage - 1 ? t - (kPage - 1) : 0;
-  const int n_win = static_cast<int>(t - win_first + 1);
-  int n_comp = 0;
-  bool use_sel = false;
-  if (a.ratio == 4) {
-    const int64_t n_vis = (t + 1) / 4;
-    n_comp = static_cast<int>(min64(a.top_k, n_vis));
-    use_sel = n_comp < n_vis;
-  } else if (a.ratio == kPage) {
-    n_comp = static_cast<int>((t + 1) / kPage);
+// Key j of lane li: window positions before the slot's first lane of this step from the ring,
+// later ones from this step's f16 rows (so no ring row is overwritten before every lane that
+// needs it has read it), then the compressed rows from the pages.
+__device__ __forceinline__ const uint16_t* key_row(const AttentionLaunch& a, const StepLanes& L, const LaneKeys& k,
+                                                   int li, int j) {
+  const int hd = a.head_dim, g = L.group[li];
+  if (j < k.n_win) {
+    const int64_t q = k.win_first + j;
+    return q >= k.t0 ? a.kv16 + static_cast<int64_t>(L.order[L.grp_first[g] + (q - k.t0)]) * hd
+                     : a.ring + (static_cast<int64_t>(L.slot[li]) * kPage + q % kPage) * hd;
   }
-  const int n = min(n_win + n_comp, max_keys);  // the launcher's bound keeps shared memory safe
+  const int64_t s = k.use_sel ? a.sel[static_cast<int64_t>(li) * a.ld_sel + (j - k.n_win)] : j - k.n_win;
+  const int64_t start = s * a.ratio;
   const int32_t* table = L.tables + static_cast<int64_t>(g) * L.max_blocks;
-  for (int j = threadIdx.x; j < n; j += kAttnThreads) {
-    const uint16_t* p;
-    if (j < n_win) {
-      const int64_t q = win_first + j;
-      p = q >= t0 ? a.kv16 + static_cast<int64_t>(L.order[gfirst + (q - t0)]) * hd
-                  : a.ring + (static_cast<int64_t>(slot) * kPage + q % kPage) * hd;
-    } else {
-      const int64_t s = use_sel ? a.sel[static_cast<int64_t>(li) * a.ld_sel + (j - n_win)] : j - n_win;
-      const int64_t start = s * a.ratio;
-      p = a.pages + static_cast<int64_t>(table[start / kPage]) * a.page_elems + a.row_off +
-          ((start % kPage) / a.ratio) * hd;
-    }
-    kp[j] = p;
-  }
+  return a.pages + static_cast<int64_t>(table[start / kPage]) * a.page_elems + a.row_off +
+         ((start % kPage) / a.ratio) * hd;
+}
+
+// grid (head groups, splits bound, lanes): one split of one lane for HB heads (rowops.cuh).
+template <int HB>
+__global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttentionLaunch a, StepLanes L, int cap) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);   // [cap] key rows
+  float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * cap);  // [HB][cap]
+  const int li = static_cast<int>(blockIdx.z), c = static_cast<int>(blockIdx.y);
+  const int h0 = static_cast<int>(blockIdx.x) * HB, nh = min(HB, a.n_head - h0);
+  const LaneKeys k = lane_keys(a, L, li);
+  if (c >= attn_splits(k.n)) return;  // the whole block: no barrier is skipped by part of it
+  const int chunk = attn_split_keys(k.n), j0 = c * chunk, nk = min(chunk, k.n - j0);
+  for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads) kp[j] = key_row(a, L, k, li, j0 + j);
+  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(a.head_dim)));
+  const int64_t head = static_cast<int64_t>(li) * a.n_head + h0;
+  attn_split_block<HB>(kp, nk, lg, cap, a.q + head * a.head_dim, a.head_dim, nh, scale,
+                       a.part + (head * kAttnMaxSplits + c) * a.head_dim,
+                       a.part_stats + (head * kAttnMaxSplits + c) * 2);
+}
+
+// grid (heads, lanes): the splits of one (lane, head) merged with the sink, then the inverse tail RoPE.
+__global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(AttentionLaunch a, StepLanes L) {
+  __shared__ float rc[kAttnMaxRopeHalf], rs[kAttnMaxRopeHalf];
+  const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
+  const LaneKeys k = lane_keys(a, L, li);
   const int half = a.rope_dim / 2;
-  for (int k = threadIdx.x; k < half; k += kAttnThreads) {
+  for (int j = static_cast<int>(threadIdx.x); j < half; j += kAttnCombineThreads) {
     double s, c;
-    sincos(static_cast<double>(t) * a.inv_freq[k], &s, &c);
-    rc[k] = static_cast<float>(c);
-    rs[k] = -static_cast<float>(s);  // the inverse rotation
-  }
-
-  // Phase 1: logits. Lane l holds chunks l and l + 32 of each head's query.
-  const int chunks = hd / 8;
-  float qr[HB][CH][8];
-#pragma unroll
-  for (int h = 0; h < HB; ++h)
-#pragma unroll
-    for (int j = 0; j < CH; ++j) {
-      const int c = lane + DS4_WARP * j;
-#pragma unroll
-      for (int e = 0; e < 8; ++e)
-        qr[h][j][e] = (h < nh && c < chunks) ? a.q[(static_cast<int64_t>(li) * a.n_head + h0 + h) * hd + 8 * c + e]
-                                             : 0.0f;
-    }
-  __syncthreads();
-  const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(hd)));
-#pragma unroll 2
-  for (int i = warp; i < n; i += kAttnWarps) {
-    const uint16_t* row = kp[i];
-    float kf[CH][8];
-#pragma unroll
-    for (int j = 0; j < CH; ++j)
-      if (lane + DS4_WARP * j < chunks) load_f16x8(row + 8 * (lane + DS4_WARP * j), kf[j]);
-#pragma unroll
-    for (int h = 0; h < HB; ++h) {
-      float s = 0.0f;
-#pragma unroll
-      for (int j = 0; j < CH; ++j)
-        if (lane + DS4_WARP * j < chunks) {
-#pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(qr[h][j][e], kf[j][e], s);
-        }
-      s = warp_sum(s);
-      if (lane == 0 && h < nh) lg[h * max_keys + i] = s * scale;
-    }
+    sincos(static_cast<double>(k.t) * a.inv_freq[j], &s, &c);
+    rc[j] = static_cast<float>(c);
+    rs[j] = -static_cast<float>(s);  // the inverse rotation
   }
   __syncthreads();
-
-  // Phase 2: softmax with the sink in the denominator only, one warp per head.
-  if (warp < nh) {
-    float* l = lg + warp * max_keys;
-    const float sink = a.sinks[h0 + warp];
-    float mx = sink;
-    for (int i = lane; i < n; i += DS4_WARP) mx = fmaxf(mx, l[i]);
-    mx = warp_max_f(mx);
-    float part = 0.0f;
-    for (int i = lane; i < n; i += DS4_WARP) {
-      const float e = expf(l[i] - mx);
-      l[i] = e;
-      part += e;
-    }
-    const float den = expf(sink - mx) + warp_sum(part);
-    const float inv = 1.0f / den;
-    for (int i = lane; i < n; i += DS4_WARP) l[i] *= inv;
-  }
-  __syncthreads();
-
-  // Phase 3: out = sum_j p_j k_j in key order, then the inverse RoPE of the tail pairs.
-  const int pairs = hd / 2, tail0 = (hd - a.rope_dim) / 2;
-  for (int e2 = static_cast<int>(threadIdx.x); e2 < pairs; e2 += kAttnThreads) {
-    float o[HB][2];
-#pragma unroll
-    for (int h = 0; h < HB; ++h) o[h][0] = o[h][1] = 0.0f;
-#pragma unroll 16  // independent loads in flight (the loop waits on them); the sums still run in key order
-    for (int i = 0; i < n; ++i) {
-      const uint32_t kk = ds4_ldg(reinterpret_cast<const uint32_t*>(kp[i]) + e2);
-      const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);
-#pragma unroll
-      for (int h = 0; h < HB; ++h) {
-        const float p = lg[h * max_keys + i];
-        o[h][0] += p * k0;
-        o[h][1] += p * k1;
-      }
-    }
-#pragma unroll
-    for (int h = 0; h < HB; ++h)
-      if (h < nh) {
-        float x0 = o[h][0], x1 = o[h][1];
-        if (e2 >= tail0) {
-          const int k = e2 - tail0;
-          const float c = rc[k], sn = rs[k];
-          const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
-          x0 = y0;
-          x1 = y1;
-        }
-        float* dst = a.out + (static_cast<int64_t>(li) * a.n_head + h0 + h) * hd + 2 * e2;
-        dst[0] = x0;
-        dst[1] = x1;
-      }
-  }
+  const int64_t head = static_cast<int64_t>(li) * a.n_head + h;
+  attn_combine_head(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
+                    attn_splits(k.n), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc, rs,
+                    a.out + head * a.head_dim);
 }
 
 // The device's opt-in shared memory per block, read once.
@@ -418,9 +490,11 @@ int smem_optin_limit() {
 }
 
 template <int HB>
-void launch_attention(const AttentionLaunch& a, const StepLanes& L, int n, size_t smem, cudaStream_t s) {
-  const dim3 grid(static_cast<unsigned>((a.n_head + HB - 1) / HB), static_cast<unsigned>(n));
-  attention_paged_kernel<HB><<<grid, kAttnThreads, smem, s>>>(a, L);
+void launch_attention(const AttentionLaunch& a, const StepLanes& L, int n, int cap, int splits, size_t smem,
+                      cudaStream_t s) {
+  const dim3 grid(static_cast<unsigned>((a.n_head + HB - 1) / HB), static_cast<unsigned>(splits),
+                  static_cast<unsigned>(n));
+  attention_split_kernel<HB><<<grid, kAttnThreads, smem, s>>>(a, L, cap);
 }
 
 // --- ring store ----------------------------------------------------------------------------------
@@ -456,6 +530,29 @@ void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head
   auto launch = [&](auto kernel) {
     kernel<<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores);
   };
+  const int m = n_heads <= 32 ? 1 : n_heads <= 64 ? 2 : 0;
+  const size_t smem2 = (static_cast<size_t>(m) * DS4_WARP * head_dim + m * DS4_WARP) * sizeof(float);
+  if (m > 0 && smem2 <= 48 * 1024) {  // heads over lanes (most shapes; DS4: 64 heads of 128)
+    const dim3 grid2(static_cast<unsigned>((max_vis + kIdx2PerBlock - 1) / kIdx2PerBlock), static_cast<unsigned>(n));
+    auto launch2 = [&](auto kernel) {
+      kernel<<<grid2, kRowThreads, smem2, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores,
+                                                ld_scores);
+    };
+    switch (head_dim * 4 + m) {
+      case 32 * 4 + 1: launch2(indexer_scores_heads_kernel<1, 1>); break;
+      case 32 * 4 + 2: launch2(indexer_scores_heads_kernel<1, 2>); break;
+      case 64 * 4 + 1: launch2(indexer_scores_heads_kernel<2, 1>); break;
+      case 64 * 4 + 2: launch2(indexer_scores_heads_kernel<2, 2>); break;
+      case 128 * 4 + 1: launch2(indexer_scores_heads_kernel<4, 1>); break;
+      case 128 * 4 + 2: launch2(indexer_scores_heads_kernel<4, 2>); break;
+      case 256 * 4 + 1: launch2(indexer_scores_heads_kernel<8, 1>); break;
+      case 256 * 4 + 2: launch2(indexer_scores_heads_kernel<8, 2>); break;
+      case 512 * 4 + 1: launch2(indexer_scores_heads_kernel<16, 1>); break;
+      default: throw std::invalid_argument("GPU indexer: index_head_dim must be 32, 64, 128, 256 or 512");
+    }
+    DS4_GPU_CHECK_LAUNCH("indexer_scores_heads_kernel");
+    return;
+  }
   switch (head_dim) {
     case 32: launch(indexer_scores_kernel<1>); break;
     case 64: launch(indexer_scores_kernel<2>); break;
@@ -481,7 +578,7 @@ static size_t attn_dyn_limit[5] = {0, 0, 0, 0, 0};  // indexed by HB (1, 2, 4)
 
 template <int HB>
 static void prepare_attention_kernel() {
-  const void* fn = reinterpret_cast<const void*>(&attention_paged_kernel<HB>);
+  const void* fn = reinterpret_cast<const void*>(&attention_split_kernel<HB>);
   cudaFuncAttributes attr;
   DS4_GPU_CHECK(cudaFuncGetAttributes(&attr, fn));
   const size_t stat = attr.sharedSizeBytes;
@@ -500,26 +597,40 @@ void attention_prepare() {
   prepare_attention_kernel<1>();
 }
 
-void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s) {
+int64_t attention_part_floats(int n_lanes, int n_head, int head_dim) {
+  return static_cast<int64_t>(n_lanes) * n_head * kAttnMaxSplits * (head_dim + 2);
+}
+
+void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Stream s) {
   if (n <= 0) return;
-  if (a.head_dim <= 0 || a.head_dim % 8 != 0 || a.head_dim > kAttnMaxDim)
+  if (a_in.head_dim <= 0 || a_in.head_dim % 8 != 0 || a_in.head_dim > kAttnMaxDim)
     throw std::invalid_argument("GPU attention: head_dim must be a multiple of 8, at most 512");
-  if (a.rope_dim / 2 > kMaxRopeHalf) throw std::invalid_argument("GPU attention: rope_dim above 512");
+  if (a_in.rope_dim / 2 > kAttnMaxRopeHalf) throw std::invalid_argument("GPU attention: rope_dim above 512");
+  if (a_in.part == nullptr) throw std::invalid_argument("GPU attention: no split scratch (AttentionLaunch::part)");
   if (attn_dyn_limit[1] == 0) attention_prepare();  // outside a capture: engines prepare at construction
-  const size_t keys = static_cast<size_t>(std::max(a.max_keys, 1));
-  auto need = [&](int hb) { return keys * (sizeof(void*) + hb * sizeof(float)); };
+  AttentionLaunch a = a_in;
+  a.part_stats = a.part + static_cast<int64_t>(n) * a.n_head * kAttnMaxSplits * a.head_dim;
+  const int bound = std::max(a.max_keys, 1);
+  const int cap = attn_split_keys(bound), splits = attn_splits(bound);
+  auto need = [&](int hb) { return static_cast<size_t>(cap) * (sizeof(void*) + hb * sizeof(float)); };
   const cudaStream_t st = cs(s);
-  // The head group size only changes how many heads share a block, never a head's arithmetic.
-  if (a.n_head >= 4 && need(4) <= attn_dyn_limit[4])
-    launch_attention<4>(a, L, n, need(4), st);
+  // The head group size only changes how many heads share a block, never a head's arithmetic: two
+  // heads a block when the step has one or two lanes (twice the blocks), else four (each key row
+  // read by a quarter of the blocks).
+  const int want = n <= 2 ? 2 : 4;
+  if (want >= 4 && a.n_head >= 4 && need(4) <= attn_dyn_limit[4])
+    launch_attention<4>(a, L, n, cap, splits, need(4), st);
   else if (a.n_head >= 2 && need(2) <= attn_dyn_limit[2])
-    launch_attention<2>(a, L, n, need(2), st);
+    launch_attention<2>(a, L, n, cap, splits, need(2), st);
   else if (need(1) <= attn_dyn_limit[1])
-    launch_attention<1>(a, L, n, need(1), st);
+    launch_attention<1>(a, L, n, cap, splits, need(1), st);
   else
     throw std::invalid_argument("GPU attention: " + std::to_string(a.max_keys) +
                                 " keys per lane do not fit this device's shared memory");
-  DS4_GPU_CHECK_LAUNCH("attention_paged_kernel");
+  DS4_GPU_CHECK_LAUNCH("attention_split_kernel");
+  const dim3 grid(static_cast<unsigned>(a.n_head), static_cast<unsigned>(n));
+  attention_combine_kernel<<<grid, kAttnCombineThreads, 0, st>>>(a, L);
+  DS4_GPU_CHECK_LAUNCH("attention_combine_kernel");
 }
 
 void ring_store(uint16_t* ring, const uint16_t* kv16, int n, int head_dim, const StepLanes& L, Stream s) {

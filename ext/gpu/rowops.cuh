@@ -13,6 +13,7 @@
 // Bytes: these touch shared memory only.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "common.cuh"
@@ -41,12 +42,47 @@ __device__ __forceinline__ float warp_max_f(float v) {
   return v;
 }
 
+// Thread t's part of a sum of squares over x[0..n) with nt threads: x[t], x[t + nt], ... added in
+// that order in double. The loads go out kSsBatch at a time before any is added (a latency chain
+// of n / (nt * kSsBatch) loads instead of n / nt); the order of the additions, hence the bits, is
+// that of the plain strided loop.
+constexpr int kSsBatch = 16;
+__device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t, int nt) {
+  double ss = 0.0;
+  for (int64_t b = t; b < n; b += static_cast<int64_t>(kSsBatch) * nt) {
+    float v[kSsBatch];
+#pragma unroll
+    for (int j = 0; j < kSsBatch; ++j) {
+      const int64_t i = b + static_cast<int64_t>(j) * nt;
+      v[j] = i < n ? x[i] : 0.0f;
+    }
+#pragma unroll
+    for (int j = 0; j < kSsBatch; ++j)
+      if (b + static_cast<int64_t>(j) * nt < n) ss += static_cast<double>(v[j]) * v[j];
+  }
+  return ss;
+}
+
 // r = rsqrt(mean(x^2) + eps) as the CPU rounds it (ops.cpp rms_norm), over x[0..n) (any memory).
 __device__ __forceinline__ float rms_factor(const float* x, int64_t n, float eps, double* red) {
-  double ss = 0.0;
-  for (int64_t i = threadIdx.x; i < n; i += kRowThreads) ss += static_cast<double>(x[i]) * x[i];
+  const double ss = strided_sumsq(x, n, static_cast<int>(threadIdx.x), kRowThreads);
   const double t = block_sum(ss, red);
   return static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(eps)));
+}
+
+// Sum of one double per thread over a block of kWideThreads (1024) threads: the butterfly in each
+// warp, then warp 0 reduces the 32 warp sums by the same butterfly. Every thread gets the same
+// bits; red (32 shared doubles) is free again on return.
+constexpr int kWideThreads = 1024;
+constexpr int kWideWarps = kWideThreads / DS4_WARP;
+__device__ __forceinline__ double block_sum_wide(double v, double* red) {
+  v = warp_sum(v);
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  if (lane == 0) red[warp] = v;
+  __syncthreads();
+  double t = warp_sum(red[lane]);  // every warp reduces the same 32 values the same way
+  __syncthreads();
+  return t;
 }
 
 // x = (x * r) * w (w null: x * r), in place on a shared or global row.
@@ -155,6 +191,186 @@ __device__ __forceinline__ float softplus_dev(float x) {
   if (x > 20.0f) return x;
   if (x < -20.0f) return expf(x);
   return log1pf(expf(x));
+}
+
+// --- split attention (flash-decoding style), shared by paged_ops.cu and ops.cu -------------------
+// A lane's n keys are cut into attn_splits(n) splits of attn_split_keys(n) keys (the last one
+// shorter): at least kAttnSplitKeys keys a split, at most kAttnMaxSplits splits; both depend on n
+// only, never on the other lanes or the launch. A block (head group, split, lane) runs
+// attn_split_block: for each of its heads the split's logits q.k * scale, their max m, l = sum
+// exp(logit - m) and O = sum exp(logit - m) k, each sum in a fixed order (O: key order). A block
+// per (head, lane) then runs attn_combine_head: M = max(sink, m_c), w_c = exp(m_c - M),
+// den = exp(sink - M) + sum_c l_c w_c and out = (sum_c w_c O_c) * (1 / den), splits in order.
+// So a lane's result is the same bits alone or beside any others, whatever the head group size,
+// and differs from a one-pass softmax only in rounding (the CPU's order is not this one either).
+// Partials: O [lane][head][kAttnMaxSplits][head_dim], then stats [lane][head][kAttnMaxSplits][2].
+
+constexpr int kAttnThreads = 256;
+constexpr int kAttnWarps = kAttnThreads / DS4_WARP;
+constexpr int kAttnMaxDim = 512;  // head_dim limit: 2 chunks of 8 per lane, 1 element pair per thread
+constexpr int kAttnSplitKeys = 64;
+constexpr int kAttnMaxSplits = 8;
+constexpr int kAttnCombineThreads = 128;
+constexpr int kAttnMaxRopeHalf = 256;
+
+// Keys per split of a lane with n keys (n >= 1), and its number of splits (0 for no keys).
+DS4_HD int attn_split_keys(int n) {
+  const int c = (n + kAttnMaxSplits - 1) / kAttnMaxSplits;
+  return c > kAttnSplitKeys ? c : kAttnSplitKeys;
+}
+DS4_HD int attn_splits(int n) { return n <= 0 ? 0 : (n + attn_split_keys(n) - 1) / attn_split_keys(n); }
+
+__device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
+  const uint4 v = ds4_ldg(reinterpret_cast<const uint4*>(p));
+  const uint32_t w[4] = {v.x, v.y, v.z, v.w};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    f[2 * i] = half_bits_to_float(w[i] & 0xffffu);
+    f[2 * i + 1] = half_bits_to_float(w[i] >> 16);
+  }
+}
+
+// One split of one lane for heads h < nh of a group of HB (blockDim.x == kAttnThreads). kp: the
+// split's nk >= 1 key rows (shared; the caller fills it and this function's first barrier
+// publishes it); lg: HB x cap shared floats (cap >= nk); q: the group's first query row (head h at
+// q + h * hd, 16-byte aligned); o, st: the group's first head's partials of this split (head h at
+// o + h * kAttnMaxSplits * hd, st + h * kAttnMaxSplits * 2).
+// Phase 1: warps take keys in turn, lane l holds 8-element chunks l and l + 32 of each query,
+// a butterfly per head. Phase 2: a warp per head: max, exp, sum (strided lanes, then the
+// butterfly). Phase 3: thread t owns element pair t and sums e_j * k_j in key order.
+template <int HB>
+__device__ __forceinline__ void attn_split_block(const uint16_t* const* kp, int nk, float* lg, int cap,
+                                                 const float* __restrict__ q, int hd, int nh, float scale,
+                                                 float* __restrict__ o, float* __restrict__ st) {
+  constexpr int CH = kAttnMaxDim / 8 / DS4_WARP;
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int chunks = hd / 8;
+  float qr[HB][CH][8];
+#pragma unroll
+  for (int h = 0; h < HB; ++h)
+#pragma unroll
+    for (int j = 0; j < CH; ++j) {
+      const int c = lane + DS4_WARP * j;
+      if (h < nh && c < chunks) {
+        const uint4* src = reinterpret_cast<const uint4*>(q + static_cast<int64_t>(h) * hd + 8 * c);
+        const uint4 a = ds4_ldg(src), b = ds4_ldg(src + 1);
+        const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qr[h][j][e] = ds4_bits_to_float(w[e]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) qr[h][j][e] = 0.0f;
+      }
+    }
+  __syncthreads();
+
+#pragma unroll 4
+  for (int i = warp; i < nk; i += kAttnWarps) {
+    const uint16_t* row = kp[i];
+    float kf[CH][8];
+#pragma unroll
+    for (int j = 0; j < CH; ++j)
+      if (lane + DS4_WARP * j < chunks) load_f16x8(row + 8 * (lane + DS4_WARP * j), kf[j]);
+#pragma unroll
+    for (int h = 0; h < HB; ++h) {
+      float s = 0.0f;
+#pragma unroll
+      for (int j = 0; j < CH; ++j)
+        if (lane + DS4_WARP * j < chunks) {
+#pragma unroll
+          for (int e = 0; e < 8; ++e) s = fmaf(qr[h][j][e], kf[j][e], s);
+        }
+      s = warp_sum(s);
+      if (lane == 0 && h < nh) lg[h * cap + i] = s * scale;
+    }
+  }
+  __syncthreads();
+
+  if (warp < nh) {
+    float* l = lg + warp * cap;
+    float mx = -INFINITY;
+    for (int i = lane; i < nk; i += DS4_WARP) mx = fmaxf(mx, l[i]);
+    mx = warp_max_f(mx);
+    float part = 0.0f;
+    for (int i = lane; i < nk; i += DS4_WARP) {
+      const float e = expf(l[i] - mx);
+      l[i] = e;
+      part += e;
+    }
+    const float sum = warp_sum(part);
+    if (lane == 0) {
+      st[warp * kAttnMaxSplits * 2] = mx;
+      st[warp * kAttnMaxSplits * 2 + 1] = sum;
+    }
+  }
+  __syncthreads();
+
+  const int pairs = hd / 2;
+  for (int e2 = static_cast<int>(threadIdx.x); e2 < pairs; e2 += kAttnThreads) {
+    float acc[HB][2];
+#pragma unroll
+    for (int h = 0; h < HB; ++h) acc[h][0] = acc[h][1] = 0.0f;
+#pragma unroll 16  // independent loads in flight; the sums still run in key order
+    for (int i = 0; i < nk; ++i) {
+      const uint32_t kk = ds4_ldg(reinterpret_cast<const uint32_t*>(kp[i]) + e2);
+      const float k0 = half_bits_to_float(kk & 0xffffu), k1 = half_bits_to_float(kk >> 16);
+#pragma unroll
+      for (int h = 0; h < HB; ++h) {
+        const float p = lg[h * cap + i];
+        acc[h][0] += p * k0;
+        acc[h][1] += p * k1;
+      }
+    }
+#pragma unroll
+    for (int h = 0; h < HB; ++h)
+      if (h < nh) {
+        float* dst = o + static_cast<int64_t>(h) * kAttnMaxSplits * hd + 2 * e2;
+        dst[0] = acc[h][0];
+        dst[1] = acc[h][1];
+      }
+  }
+}
+
+// One (lane, head): merge its ns splits (o: [kAttnMaxSplits][hd], st: [kAttnMaxSplits][2]) with the
+// sink, then turn the pairs from tail0 on by (rc[k], rs[k]), k = pair - tail0 (tail0 >= hd / 2:
+// none), into dst[hd]. Any block size; every thread derives the same weights.
+__device__ __forceinline__ void attn_combine_head(const float* __restrict__ o, const float* __restrict__ st, int ns,
+                                                  float sink, int hd, int tail0, const float* rc, const float* rs,
+                                                  float* __restrict__ dst) {
+  float mx = sink;
+  for (int c = 0; c < ns; ++c) mx = fmaxf(mx, st[2 * c]);
+  float w[kAttnMaxSplits];
+  float den = expf(sink - mx);
+#pragma unroll
+  for (int c = 0; c < kAttnMaxSplits; ++c) {
+    w[c] = 0.0f;
+    if (c < ns) {
+      w[c] = expf(st[2 * c] - mx);
+      den += st[2 * c + 1] * w[c];
+    }
+  }
+  const float inv = 1.0f / den;
+  for (int e2 = static_cast<int>(threadIdx.x); e2 < hd / 2; e2 += static_cast<int>(blockDim.x)) {
+    float x0 = 0.0f, x1 = 0.0f;
+#pragma unroll
+    for (int c = 0; c < kAttnMaxSplits; ++c)
+      if (c < ns) {
+        const float* oc = o + static_cast<int64_t>(c) * hd + 2 * e2;
+        x0 += w[c] * oc[0];
+        x1 += w[c] * oc[1];
+      }
+    x0 *= inv;
+    x1 *= inv;
+    if (e2 >= tail0) {
+      const int k = e2 - tail0;
+      const float c = rc[k], sn = rs[k];
+      const float y0 = x0 * c - x1 * sn, y1 = x0 * sn + x1 * c;
+      x0 = y0;
+      x1 = y1;
+    }
+    dst[2 * e2] = x0;
+    dst[2 * e2 + 1] = x1;
+  }
 }
 
 }  // namespace ds4::gpu

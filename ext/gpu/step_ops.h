@@ -37,16 +37,21 @@ struct StepLanes {
 // X[i][s*d + k] = X[i][k] for s = 1..hc-1 (the identical streams after the embedding).
 void replicate_streams(float* X, int n, int hc, int64_t d, Stream s);
 
-// mHC pre (spec §3.1) from mix = fn . x̂ (unnormalized): U[i] = sum_j pre_j X[i][j], post, comb.
+// mHC pre (spec §3.1) from mix = fn . x̂ (unnormalized): u = sum_j pre_j X[i][j], post, comb; then,
+// when norm_w is given, the RMSNorm that follows it (eps norm_eps): U[i] = (u * r) * norm_w, else
+// U[i] = u. d <= 12288.
 void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
-            const float* base, int iters, float hc_eps, float norm_eps, float* U, float* post, float* comb, Stream s);
+            const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w, float* U, float* post,
+            float* comb, Stream s);
 
 // mHC post (spec §3.2) in place: X[k] = post_k y + sum_j comb[j][k] X[j].
 void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s);
 
-// hc_head (spec §3.3) for the lanes lanes[0..n_out): out[j] = sum_i w_i X[lanes[j]][i].
+// hc_head (spec §3.3) for the lanes lanes[0..n_out): out[j] = sum_i w_i X[lanes[j]][i], then (norm_w
+// given) the output RMSNorm in place as in hc_pre.
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
-             const float* scale, const float* base, float hc_eps, float norm_eps, float* out, Stream s);
+             const float* scale, const float* base, float hc_eps, float norm_eps, const float* norm_w, float* out,
+             Stream s);
 
 // Per head of every lane: unweighted RMSNorm over head_dim, then the tail RoPE at pos (in place).
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
@@ -126,9 +131,15 @@ struct AttentionLaunch {
   const float* sinks = nullptr;
   int n_head = 0, head_dim = 0, rope_dim = 0;
   const double* inv_freq = nullptr;
-  int max_keys = 0;               // bound on any lane's key count this step (sizes shared memory)
+  int max_keys = 0;               // bound on any lane's key count this step (sizes shared memory and the grid)
+  float* part = nullptr;          // split scratch, attention_part_floats(n, n_head, head_dim) floats
+  float* part_stats = nullptr;    // set by attention_paged (inside part)
 };
+// Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
+// key count only), then a second kernel merges the splits per (lane, head) in a fixed order.
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s);
+// Floats of AttentionLaunch::part for n_lanes lanes (the split partials and their max / sum).
+int64_t attention_part_floats(int n_lanes, int n_head, int head_dim);
 // Before attention_paged (engines call it at construction): lets its kernels use the device's
 // opt-in shared memory (a function attribute, to be set outside any graph capture).
 void attention_prepare();

@@ -275,25 +275,62 @@ def test_rope_tail_matches_the_cpu_formula(inverse: bool) -> None:
     assert np.abs(got - ref).max() <= 1e-5
 
 
+def attention_reference(q: np.ndarray, kv: np.ndarray, rows: np.ndarray, sinks: np.ndarray) -> tuple:
+    """float64 sink attention of one lane q [heads, dim] over kv[rows]: (out, the size sum p |k|)."""
+    k = kv[rows].astype(np.float64)
+    logits = q.astype(np.float64) @ k.T / np.sqrt(q.shape[1])
+    mx = np.maximum(sinks[:, None].astype(np.float64), logits).max(axis=1, initial=-np.inf, keepdims=True)
+    e = np.exp(logits - mx)
+    p = e / (np.exp(sinks[:, None] - mx) + e.sum(axis=1, keepdims=True))
+    return p @ k, max(1.0, np.abs(p @ np.abs(k)).max())
+
+
 @pytest.mark.gpu
-def test_attention_sink_matches_float64() -> None:
+@pytest.mark.parametrize("n_head, head_dim, counts", [
+    (4, 128, [0, 1, 130, 300]),
+    # one split (<= 64 keys), several of 64 (65, 128, 512), then at most 8 longer ones (513, 640, 4000)
+    (8, 512, [1, 64, 65, 128, 512, 513, 640, 4000]),
+    (6, 64, [63, 200, 1000]),  # head groups of 4 and 2 in one launch
+], ids=["small", "ds4-dim", "odd-heads"])
+def test_attention_sink_matches_float64(n_head: int, head_dim: int, counts: list[int]) -> None:
+    """The split attention (each lane's keys over up to 8 blocks, merged with the sink by a second
+    kernel; the engine's paged attention runs the same block code) within 2e-3 of float64."""
     rng = np.random.default_rng()
-    n_head, head_dim, rows = 4, 128, 500
+    rows = 5000
     kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
-    counts = [0, 1, 130, 300]
     key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
     key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
     q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
     sinks = rng.standard_normal(n_head).astype(np.float32)
     got = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
     for i in range(len(counts)):
-        k = kv[key_rows[key_off[i] : key_off[i + 1]]].astype(np.float64)
-        logits = q[i].astype(np.float64) @ k.T / np.sqrt(head_dim)
-        mx = np.maximum(sinks[:, None].astype(np.float64), logits).max(axis=1, initial=-np.inf, keepdims=True)
-        e = np.exp(logits - mx)
-        p = e / (np.exp(sinks[:, None] - mx) + e.sum(axis=1, keepdims=True))
-        ref = p @ k
-        assert np.abs(got[i] - ref).max() <= 2e-3 * max(1.0, np.abs(p @ np.abs(k)).max())
+        ref, size = attention_reference(q[i], kv, key_rows[key_off[i] : key_off[i + 1]], sinks)
+        assert np.abs(got[i] - ref).max() <= 2e-3 * size, (counts[i], np.abs(got[i] - ref).max() / size)
+
+
+@pytest.mark.gpu
+def test_attention_lane_bits_do_not_depend_on_its_neighbours() -> None:
+    """Batch invariance of the split attention: a lane's output is the same bits computed alone (two
+    heads a block, splits sized by its own keys) and beside lanes of other lengths (four heads a
+    block, a larger grid and shared-memory bound), and the same call twice gives the same bits."""
+    rng = np.random.default_rng()
+    n_head, head_dim, rows = 8, 512, 3000
+    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
+    counts = [700, 3, 130, 64, 2500]
+    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
+    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    together = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
+    again = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
+    assert np.array_equal(together.view(np.uint32), again.view(np.uint32))
+    for i, c in enumerate(counts):
+        own = key_rows[key_off[i] : key_off[i + 1]]
+        alone = T.gpu_attention_sink(q[i : i + 1], kv, own, np.array([0, c], np.int32), sinks)
+        assert np.array_equal(alone[0].view(np.uint32), together[i].view(np.uint32)), c
+    pair = T.gpu_attention_sink(q[[4, 1]], kv, np.concatenate([key_rows[key_off[4] :], key_rows[key_off[1] : key_off[2]]]),
+                                np.array([0, counts[4], counts[4] + counts[1]], np.int32), sinks)
+    assert np.array_equal(pair[0].view(np.uint32), together[4].view(np.uint32))
 
 
 @pytest.mark.gpu
@@ -304,3 +341,96 @@ def test_argmax_takes_the_first_maximum() -> None:
     x[1, 5] = np.nan
     x[2, :] = -1.0
     assert np.array_equal(T.gpu_argmax(x), np.argmax(x, axis=1).astype(np.int32))
+
+
+# --- the per-lane step kernels at DS4's shapes, inside the engine -------------------------------------
+
+LONG_CTX = 4096
+LONG_PROMPT = 2560  # CSA: 640 visible entries > top-k 600, so 728 keys (splits of 91); HCA 148 keys
+
+
+def long_context_config():
+    """tiny() with DS4's attention and indexer shapes: 8 heads of 512 (64-element RoPE tail), an
+    indexer of 64 heads of 128 (the kernel's heads-over-lanes path with two heads a lane), top-k 600,
+    one CSA and one HCA layer."""
+    import dataclasses
+
+    from ds4_app.engine.presets import tiny
+
+    return dataclasses.replace(tiny(), n_layer=2, n_head=8, head_dim=512, compress_ratios=(4, 128),
+                               index_n_heads=64, index_head_dim=128, index_topk=600,
+                               swiglu_clamp_exp=(10.0,) * 2, swiglu_clamp_shexp=(10.0,) * 2)
+
+
+@pytest.fixture(scope="module")
+def long_context(tmp_path_factory):
+    """The CPU engine fed LONG_PROMPT tokens in slot 0 (16 rows a step), a GPU engine beside it."""
+    from ds4_app.engine.gguf_file import ModelFile
+    from ds4_app.engine.memory import plan_memory
+    from ds4_app.engine.plan import StepPlan
+    from ds4_app.engine.synth import synthesize
+    from tests.engine_cases import tensor_entries
+
+    path = tmp_path_factory.mktemp("gpu_kernels") / "long.gguf"
+    synthesize(long_context_config(), path, seed=21)
+    mf = ModelFile.open(path)
+    n_pages = plan_memory(mf.config, max_slots=4, max_ctx=LONG_CTX).n_pages
+    kw = dict(max_slots=4, max_ctx=LONG_CTX, n_pages=n_pages, max_rows=16)
+    cpu = native.Engine(mf.config, str(mf.path), tensor_entries(mf), n_threads=4, **kw)
+    gpu = native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), **kw)
+    blocks = LONG_CTX // 128
+    table = list(range(blocks))  # slot 0: pages 0..31
+    tokens = np.random.default_rng(3).integers(0, mf.config.n_vocab, LONG_PROMPT + 8)
+    for t0 in range(0, LONG_PROMPT, 16):
+        lanes = [(0, int(tokens[t]), t, t == LONG_PROMPT - 1) for t in range(t0, min(t0 + 16, LONG_PROMPT))]
+        cpu.step(StepPlan.build(lanes, {0: table}, blocks))
+    return dict(cpu=cpu, gpu=gpu, table=table, tokens=tokens, blocks=blocks, fed=LONG_PROMPT)
+
+
+@pytest.mark.gpu
+def test_long_context_steps_match_the_cpu_engine(long_context) -> None:
+    """Decode steps at context 2560 from the CPU's state: the split attention with its longest splits
+    (728 keys), the indexer's heads-over-lanes kernel at 64 x 128 with a real top-k, and the fused
+    mHC pre + RMSNorm, within 2e-3 of the CPU engine's logits."""
+    from ds4_app.engine.plan import StepPlan
+
+    c = long_context
+    cpu, gpu, table, tokens, blocks = c["cpu"], c["gpu"], c["table"], c["tokens"], c["blocks"]
+    gpu.use_graphs = False
+    for _ in range(6):
+        t = c["fed"]
+        native._testing.gpu_sync_slot(cpu, gpu, 0, np.asarray(table, np.int32), t)
+        plan = StepPlan.build([(0, int(tokens[t]), t, True)], {0: table}, blocks)
+        want, got = cpu.step(plan)[0].astype(np.float64), gpu.step(plan)[0].astype(np.float64)
+        c["fed"] = t + 1  # the CPU engine's slot 0 has taken token t
+        assert np.isfinite(got).all()
+        err = np.linalg.norm(got - want) / np.linalg.norm(want)
+        assert err <= 2e-3, (t, err)
+
+
+@pytest.mark.gpu
+def test_long_context_lane_is_batch_invariant(long_context) -> None:
+    """A long lane's logits are the same bits alone (two heads an attention block) and beside short
+    lanes of other slots (four heads a block, other split grids and indexer grids), eager and from a
+    CUDA graph."""
+    from ds4_app.engine.plan import StepPlan
+
+    c = long_context
+    cpu, gpu, table, tokens, blocks = c["cpu"], c["gpu"], c["table"], c["tokens"], c["blocks"]
+    t = c["fed"]  # the GPU slot takes the CPU's state after t tokens before each step
+    native._testing.gpu_sync_slot(cpu, gpu, 0, np.asarray(table, np.int32), t)
+    long_lane = (0, int(tokens[t]), t, True)
+    tables = {0: table, 1: [40], 2: [41, 42]}
+    results = []
+    for graphs in (False, True):
+        gpu.use_graphs = graphs
+        for lanes in ([long_lane], [(1, 5, 0, True), long_lane, (2, 9, 0, True)]):
+            for s in (1, 2):
+                gpu.reset_slot(s)
+            used = {s: tables[s] for s in {lane[0] for lane in lanes}}
+            lg = gpu.step(StepPlan.build(lanes, used, blocks))
+            results.append(lg[[lane[0] for lane in lanes].index(0)])
+            # the step wrote ring rows and compressor state of slot 0 at position t: put the CPU's back
+            native._testing.gpu_sync_slot(cpu, gpu, 0, np.asarray(table, np.int32), t)
+    for r in results[1:]:
+        assert np.array_equal(r.view(np.uint32), results[0].view(np.uint32))
