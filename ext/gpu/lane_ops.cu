@@ -16,8 +16,9 @@
 // kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
 // idx_q_finish       grid n * heads: RoPE, Hadamard + FP4 (qat) per indexer head, in place.
 // add_ape            grid n: one ape row decoded and added. Bytes: 8 + 2..4 per element.
-// route              grid n, one warp: K passes of a strict arg-max over the experts (ties to
-//                    the lower id), weights in selection order. Bytes: 4 E per lane.
+// route              grid n, one warp: the scores once into shared memory, then K passes of a
+//                    strict arg-max over them (ties to the lower id), weights in selection order.
+//                    Bytes: 4 E per lane. (Scoring every expert in every pass: 8 us a call.)
 // swiglu             grid-stride over rows x width. Bytes: 12 per element.
 // moe_combine        grid (d/256, n), one element a thread: weighted expert sum in selection order,
 //                    plus the shared expert.
@@ -284,18 +285,26 @@ __device__ __forceinline__ bool route_better(float va, int ea, float vb, int eb)
   return va > vb || (va == vb && ea < eb);
 }
 
+// Each expert's score sqrt(softplus(logit)) + bias is computed once into shared memory (was once
+// per selection pass: the same expression, so the same values), then K arg-max passes read it.
+// The chosen experts' weights are computed by one lane each and summed by lane 0 in selection order.
 __global__ void __launch_bounds__(DS4_WARP)
     route_kernel(const float* __restrict__ logits, int n_expert, int k_used, int hash,
                  const int32_t* __restrict__ tid2eid, const int32_t* __restrict__ tokens,
                  const float* __restrict__ bias, int norm, float wscale, int32_t* __restrict__ ids,
                  float* __restrict__ weights) {
+  extern __shared__ float score[];  // [n_expert] (biased selection scores)
   __shared__ int32_t chosen[kMaxExpertUsed];
+  __shared__ float w_s[kMaxExpertUsed];
+  __shared__ float den_s;
   const int i = static_cast<int>(blockIdx.x), lane = static_cast<int>(threadIdx.x);
   const float* lg = logits + static_cast<int64_t>(i) * n_expert;
   if (hash) {
     if (lane == 0)
       for (int k = 0; k < k_used; ++k) chosen[k] = tid2eid[static_cast<int64_t>(tokens[i]) * k_used + k];
   } else {
+    for (int e = lane; e < n_expert; e += DS4_WARP) score[e] = sqrtf(softplus_dev(lg[e])) + bias[e];
+    __syncthreads();  // the block is one warp
     for (int k = 0; k < k_used; ++k) {
       float bv = 0.0f;
       int be = -1;
@@ -303,7 +312,7 @@ __global__ void __launch_bounds__(DS4_WARP)
         bool taken = false;
         for (int j = 0; j < k; ++j) taken = taken || chosen[j] == e;
         if (taken) continue;
-        const float v = sqrtf(softplus_dev(lg[e])) + bias[e];
+        const float v = score[e];
         if (be < 0 || v > bv) {
           bv = v;
           be = e;
@@ -319,22 +328,21 @@ __global__ void __launch_bounds__(DS4_WARP)
         }
       }
       if (lane == 0) chosen[k] = be;
-      __syncthreads();  // the block is one warp
+      __syncthreads();
     }
   }
   __syncthreads();
+  for (int k = lane; k < k_used; k += DS4_WARP) w_s[k] = sqrtf(softplus_dev(lg[chosen[k]]));
+  __syncthreads();
   if (lane == 0) {
-    float w[kMaxExpertUsed];
     float sum = 0.0f;
-    for (int k = 0; k < k_used; ++k) {
-      w[k] = sqrtf(softplus_dev(lg[chosen[k]]));
-      sum += w[k];
-    }
-    const float den = norm ? fmaxf(sum, 6.103515625e-5f) : 1.0f;
-    for (int k = 0; k < k_used; ++k) {
-      ids[i * k_used + k] = chosen[k];
-      weights[i * k_used + k] = w[k] / den * wscale;
-    }
+    for (int k = 0; k < k_used; ++k) sum += w_s[k];
+    den_s = norm ? fmaxf(sum, 6.103515625e-5f) : 1.0f;
+  }
+  __syncthreads();
+  for (int k = lane; k < k_used; k += DS4_WARP) {
+    ids[i * k_used + k] = chosen[k];
+    weights[i * k_used + k] = w_s[k] / den_s * wscale;
   }
 }
 
@@ -497,8 +505,10 @@ void route(const float* logits, int n, int n_expert, int k, bool hash, const int
            const float* bias, bool norm, float scale, int32_t* ids, float* weights, Stream s) {
   if (n <= 0) return;
   if (k < 1 || k > kMaxExpertUsed) throw std::invalid_argument("GPU route: n_expert_used must be 1..32");
-  route_kernel<<<n, DS4_WARP, 0, cs(s)>>>(logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
-                                          scale, ids, weights);
+  const size_t smem = hash ? 0 : static_cast<size_t>(n_expert) * sizeof(float);
+  if (smem > 48 * 1024) throw std::invalid_argument("GPU route: n_expert above 12288");
+  route_kernel<<<n, DS4_WARP, smem, cs(s)>>>(logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
+                                             scale, ids, weights);
   DS4_GPU_CHECK_LAUNCH("route_kernel");
 }
 
