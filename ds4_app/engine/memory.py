@@ -163,6 +163,9 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         ("head_in", 4 * R * d),
         ("logits", 4 * R * cfg.n_vocab),
         ("rope_inv_freq", 8 * cfg.n_layer * (cfg.rope_dim // 2)),
+        # attention's split partials: R x n_head x 8 splits x (head_dim + 2) floats (paged_ops.cu)
+        ("attn_part", 4 * R * nh * 8 * (hd + 2)),
+        ("argmax", 4 * R),  # the logit lanes' greedy tokens (step_argmax)
     ]
 
 
