@@ -159,6 +159,19 @@ def test_step_returns_logits_of_the_marked_lanes_in_lane_order(cpu, prompt):
     assert np.array_equal(bits(out), bits(np.stack([alone0[0], alone1[1], alone0[2]])))
 
 
+def test_step_argmax_is_the_argmax_of_the_logits(cpu, prompt):
+    """The greedy tokens the service asks for when every logit lane is plain greedy."""
+    lanes = [(1, prompt[3], 0, False), (0, prompt[0], 0, True), (1, prompt[4], 1, True)]
+    cpu.reset_slot(0)
+    cpu.reset_slot(1)
+    want = cpu.step(plan_of(lanes)).argmax(axis=1)
+    cpu.reset_slot(0)
+    cpu.reset_slot(1)
+    got = cpu.step_argmax(plan_of(lanes))
+    assert got.dtype == np.int32 and np.array_equal(got, want)
+    assert cpu.step_argmax(StepPlan.build([], {}, 4)).shape == (0,)
+
+
 def test_logits_do_not_depend_on_what_shares_the_step(cpu, prompt):
     """Decode slot 0 alone, then beside a prompt of slot 1 split into varying rows: same bits."""
     alone = run_alone(cpu, 0, prompt[:10])

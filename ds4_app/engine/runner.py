@@ -123,6 +123,15 @@ class Runner:
         """Run one step; float32 logits [plan.n_logits, n_vocab] for the lanes that asked, in lane order."""
         return self._impl.step(plan)
 
+    def step_argmax(self, plan: StepPlan) -> np.ndarray:
+        """Run one step; int32 [plan.n_logits]: each logit lane's greedy token (np.argmax's rule:
+        the lowest id among ties, the first NaN). A GPU backend takes it on the device, so only
+        the tokens are copied back, not [n_logits, n_vocab] floats; the others take it from the
+        logits. Either way the tokens are exactly ``step(plan).argmax(axis=1)``."""
+        if self.backend in ("cuda", "hip"):
+            return self._impl.step_argmax(plan)
+        return self._impl.step(plan).argmax(axis=1).astype(np.int32)
+
     def reset_slot(self, slot: int) -> None:
         """Forget a slot's state so that a new sequence can start in it."""
         self._impl.reset_slot(slot)

@@ -363,9 +363,18 @@ class EngineService:
             self._wake_consumers()
             return
         plan = step.plan
+        logit_slots = step.logit_slots
+        get_slot = self.slots.slot
+        ran = [get_slot(slot) for slot in logit_slots]
+        # All plain greedy (temperature 0, no penalty): the runner's argmax is sample_rows' token
+        # (np.argmax's rule), and a GPU backend then copies tokens back instead of logits.
+        greedy = all(s.sampler.temperature == 0 and not s.sampler.uses_penalties for s in ran)
         self._wake_consumers()
         try:
-            logits = self.runner.step(plan)
+            if greedy:
+                tokens = self.runner.step_argmax(plan).tolist()
+            else:
+                logits = self.runner.step(plan)
         except Exception as e:  # noqa: BLE001 - fail this step's requests, keep serving the others
             log.exception("engine step failed")
             for slot in step.rows:
@@ -374,11 +383,9 @@ class EngineService:
                     self._finish(r, "error", f"engine step failed: {e}")
             return
         now = time.monotonic()
-        logit_slots = step.logit_slots
-        get_slot = self.slots.slot
-        ran = [get_slot(slot) for slot in logit_slots]
-        tokens = sample_rows(logits, [s.sampler for s in ran], [s.rng for s in ran],
-                             [s.history for s in ran])
+        if not greedy:
+            tokens = sample_rows(logits, [s.sampler for s in ran], [s.rng for s in ran],
+                                 [s.history for s in ran])
         sampled = dict(zip(logit_slots, tokens))
         n_decode = step.n_decode_rows
         n_prompt = plan.n_lanes - n_decode

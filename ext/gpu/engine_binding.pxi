@@ -15,7 +15,7 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
                    const EngineOptions& opts) except +
         void step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
                   const int32_t* lane_logits, int n_tables, const int32_t* table_slot,
-                  const int32_t* block_table, int max_blocks, float* logits_out) except +
+                  const int32_t* block_table, int max_blocks, float* logits_out, int32_t* argmax_out) except +
         void reset_slot(int slot) except +
         SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks,
                                           int64_t n_tokens) except +
@@ -101,6 +101,15 @@ cdef class GpuEngine:
 
     def step(self, plan):
         """Run one step of a StepPlan; returns float32 logits [plan.n_logits, n_vocab] in lane order."""
+        return self._step(plan, False)
+
+    def step_argmax(self, plan):
+        """Run one step of a StepPlan; returns int32 [plan.n_logits]: each logit lane's argmax token
+        (numpy's rule: the lowest id among ties, the first NaN), taken on the device, so only the
+        tokens are copied back. Equal to step(plan).argmax(axis=1)."""
+        return self._step(plan, True)
+
+    def _step(self, plan, bint argmax):
         cdef CGpuEngine* eng = self._get()
         lane_slot = np.ascontiguousarray(plan.lane_slot, dtype=np.int32)
         lane_token = np.ascontiguousarray(plan.lane_token, dtype=np.int32)
@@ -113,7 +122,8 @@ cdef class GpuEngine:
         cdef int n_lanes = lane_slot.shape[0]
         cdef int n_tables = table_slot.shape[0]
         cdef int max_blocks = block_table.shape[1]
-        out = np.empty((int(lane_logits.sum()), self.n_vocab), dtype=np.float32)
+        cdef int n_out = int(lane_logits.sum())
+        out = np.empty(n_out, dtype=np.int32) if argmax else np.empty((n_out, self.n_vocab), dtype=np.float32)
         if n_lanes == 0:
             return out
         cdef const int32_t[::1] ls = lane_slot
@@ -122,13 +132,23 @@ cdef class GpuEngine:
         cdef const int32_t[::1] ll = lane_logits
         cdef const int32_t[::1] ts = table_slot
         cdef const int32_t[::1] bt = block_table.reshape(-1)
-        cdef float[:, ::1] o = out
+        cdef float[:, ::1] o
+        cdef int32_t[::1] a
         cdef int32_t empty_table = -1
         cdef const int32_t* bt_ptr = &bt[0] if bt.shape[0] > 0 else &empty_table
         cdef float dummy_out = 0
-        cdef float* o_ptr = &o[0, 0] if o.shape[0] > 0 else &dummy_out
+        cdef int32_t dummy_token = 0
+        cdef float* o_ptr = &dummy_out
+        cdef int32_t* a_ptr = NULL
+        if argmax:
+            a = out
+            a_ptr = &a[0] if n_out > 0 else &dummy_token
+        else:
+            o = out
+            if n_out > 0:
+                o_ptr = &o[0, 0]
         with nogil:
-            eng.step(n_lanes, &ls[0], &lt[0], &lp[0], &ll[0], n_tables, &ts[0], bt_ptr, max_blocks, o_ptr)
+            eng.step(n_lanes, &ls[0], &lt[0], &lp[0], &ll[0], n_tables, &ts[0], bt_ptr, max_blocks, o_ptr, a_ptr)
         return out
 
     def reset_slot(self, int slot):

@@ -152,6 +152,7 @@ struct GpuEngine::Impl {
   float *x_hc, *mix_buf, *post_buf, *comb_buf, *u, *q_lat, *q, *kvf, *comp_kv, *comp_sc, *idx_q, *idx_w, *idx_kv,
       *idx_sc, *attn_out, *o_low, *y, *router, *sel_w, *ex_gate, *ex_up, *ex_down, *sh_gate, *sh_up, *sh_down,
       *idx_scores, *head_in, *logits, *attn_part;
+  int32_t* argmax_tokens;  // the logit lanes' greedy tokens (step with argmax_out)
   uint16_t* kv16;
   int32_t *sel_id, *pair_row, *sorted_pairs, *n_parts, *comp_sel;
   ExpertPart* parts;
@@ -198,6 +199,7 @@ struct GpuEngine::Impl {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
   }
   void download_logits(float* out, uint64_t bytes);
+  void download_argmax(int32_t* out);
   void hc_pre_site(const HcWeights& w, const float* norm);
   void attention_layer(int l);
   void ffn_layer(int l);
@@ -393,6 +395,7 @@ void GpuEngine::Impl::carve_scratch() {
       // attention's split partials (paged_ops.cu): R x n_head x 8 splits x (head_dim + 2) floats
       {reinterpret_cast<void**>(&attn_part), 4 * attention_part_floats(static_cast<int>(R), static_cast<int>(nh),
                                                                        static_cast<int>(hd))},
+      {reinterpret_cast<void**>(&argmax_tokens), 4 * R},
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
@@ -690,7 +693,7 @@ GpuEngine::~GpuEngine() = default;
 
 void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
                      const int32_t* lane_logits, int n_tables, const int32_t* table_slot, const int32_t* block_table,
-                     int max_blocks, float* logits_out) {
+                     int max_blocks, float* logits_out, int32_t* argmax_out) {
   Impl& m = *impl_;
   if (n_lanes <= 0) return;
   m.validate_and_group(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks);
@@ -707,7 +710,30 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
   } else {
     m.launch_step();
   }
-  m.download_logits(logits_out, 4ull * m.logit_lanes.size() * m.cfg.n_vocab);
+  if (argmax_out) {
+    m.download_argmax(argmax_out);
+  } else {
+    m.download_logits(logits_out, 4ull * m.logit_lanes.size() * m.cfg.n_vocab);
+  }
+}
+
+// Each logit lane's argmax (argmax_rows, numpy's rule) into out: n_out ints leave the device
+// instead of n_out x n_vocab floats. Then the stream is idle.
+void GpuEngine::Impl::download_argmax(int32_t* out) {
+  const int n_out = static_cast<int>(logit_lanes.size());
+  if (n_out > 0) {
+    const uint64_t bytes = 4ull * n_out;
+    if (logits_host.size() < bytes) {
+      DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+      logits_host = PinnedMemory(bytes);
+    }
+    argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, stream);
+    DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes(), argmax_tokens, bytes, cudaMemcpyDeviceToHost, stream));
+    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+    std::memcpy(out, logits_host.bytes(), bytes);
+  } else {
+    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+  }
 }
 
 // The step's logits into the caller's (pageable) array through the pinned buffer, piece by piece,

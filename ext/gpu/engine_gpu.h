@@ -43,10 +43,12 @@ class GpuEngine {
   GpuEngine(const GpuEngine&) = delete;
   GpuEngine& operator=(const GpuEngine&) = delete;
 
-  // ds4::Engine::step: the same plan checks and messages, logits_out on the host.
+  // ds4::Engine::step: the same plan checks and messages, logits_out on the host. With
+  // argmax_out, each logit lane's greedy token (argmax_rows: numpy's rule) goes there instead and
+  // the logits stay on the device (logits_out is not written and may be null).
   void step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos,
             const int32_t* lane_logits, int n_tables, const int32_t* table_slot, const int32_t* block_table,
-            int max_blocks, float* logits_out);
+            int max_blocks, float* logits_out, int32_t* argmax_out = nullptr);
   void reset_slot(int slot);
   SlotStateExport export_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens) const;
   // Testing hook, the inverse of export_slot_state: make a slot hold exactly `state` (an export of
@@ -88,7 +90,7 @@ class GpuEngine {
     throw std::runtime_error("this _native build has no GPU backend; rebuild with DS4_GPU=cuda or DS4_GPU=hip");
   }
   void step(int, const int32_t*, const int32_t*, const int32_t*, const int32_t*, int, const int32_t*, const int32_t*,
-            int, float*) {
+            int, float*, int32_t* = nullptr) {
     throw std::runtime_error("no GPU backend");
   }
   void reset_slot(int) { throw std::runtime_error("no GPU backend"); }

@@ -274,6 +274,34 @@ def test_matvec_variants_give_the_same_bits(model_dir: Path, switch: str) -> Non
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{switch}, graphs={graphs}"
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_device_argmax_equals_the_logits_argmax(model_dir: Path, graphs: bool) -> None:
+    """step_argmax (the greedy token of each logit lane, taken on the device) against numpy's
+    argmax of step's logits, two engines fed the same plans: prompt rows with and without logits,
+    several slots, a step with no logit lane."""
+    mf = model(model_dir, "tiny", seed=5)
+    engines = [gpu_engine(mf), gpu_engine(mf)]
+    for eng in engines:
+        eng.use_graphs = graphs
+    rng = np.random.default_rng(3)
+    tables = {0: [0, 1], 2: [4, 5], 3: [7]}
+    pos = {0: 0, 2: 0, 3: 0}
+    for step in range(40):
+        lanes = []
+        for slot in (0, 2, 3):
+            rows = 4 if step < 3 and slot != 3 else 1
+            for _ in range(rows):
+                lanes.append((slot, int(rng.integers(0, mf.config.n_vocab)), pos[slot], step % 7 != 1 or slot == 0))
+                pos[slot] += 1
+        if step == 5:
+            lanes = [(s, t, p, False) for s, t, p, _ in lanes]
+        plan = StepPlan.build(lanes, tables, PAGES_PER_SEQ)
+        want = engines[0].step(plan).argmax(axis=1)
+        got = engines[1].step_argmax(plan)
+        assert got.dtype == np.int32 and got.shape == (plan.n_logits,)
+        assert np.array_equal(got, want), f"step {step}"
+
+
 def test_defaults_and_their_environment_switches(model_dir: Path, monkeypatch) -> None:
     mf = model(model_dir, "tiny", seed=5)
     monkeypatch.delenv("DS4_GPU_GRAPHS", raising=False)
