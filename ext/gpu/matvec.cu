@@ -286,10 +286,111 @@ int staged_pieces(const TensorView& W, int nc, int staged_min) {
   return pieces <= kMaxStagedPieces ? pieces : 0;
 }
 
+// Which grouped kernel Q4_K products take (matvec.cuh, pass 6): kGroupedPass5 (the default),
+// kGroupedOwn or kGroupedOwnFast, all the same bits; DS4_GPU_MV_GROUPED=0|1|2 sets it,
+// DS4_GPU_MV_GROUPED_STAGES=2..4 the own kernel's copy stages (default 3) and
+// DS4_GPU_MV_GROUPED_WIDTH=4|8 its widest sub-part (default 4).
+std::atomic<int> g_grouped{-1}, g_grouped_stages{-1}, g_grouped_width{-1};  // -1: not read yet
+
+int env_int(const char* name, int lo, int hi, int fallback) {
+  const char* e = std::getenv(name);
+  if (e == nullptr || *e == 0) return fallback;
+  char* end = nullptr;
+  const long v = std::strtol(e, &end, 10);
+  return (end != nullptr && *end == 0 && v >= lo && v <= hi) ? static_cast<int>(v) : fallback;
+}
+
+int grouped_variant_now() {
+  int v = g_grouped.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_int("DS4_GPU_MV_GROUPED", kGroupedPass5, kGroupedOwnFast, kGroupedPass5);
+    g_grouped.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+int grouped_stages_now() {
+  int v = g_grouped_stages.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_int("DS4_GPU_MV_GROUPED_STAGES", 2, kGroupedMaxStages, 3);
+    g_grouped_stages.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+int grouped_width_now() {
+  int v = g_grouped_width.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_int("DS4_GPU_MV_GROUPED_WIDTH", 4, 8, 4) > 4 ? 8 : 4;
+    g_grouped_width.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+template <int MAXC, int KS>
+void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const ExpertPart* parts,
+                           const int32_t* n_parts, int max_parts, const int32_t* sorted_pairs, const int32_t* x_row,
+                           const float* X, int64_t ldx, float* Y, int64_t ldy, cudaStream_t s) {
+  const int64_t rows = W.ne[1];
+  const int stages = grouped_stages_now();
+  // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
+  const int64_t block_rows = static_cast<int64_t>(kMatvecWarps) * grouped_own_rows(MAXC);
+  const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
+  const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
+  const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
+  if (fast) {
+    matvec_grouped_own_kernel<MAXC, KS, true><<<grid, kMatvecThreads, smem, s>>>(
+        W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
+        sorted_pairs, x_row, X, ldx, Y, ldy, stages);
+  } else {
+    matvec_grouped_own_kernel<MAXC, KS, false><<<grid, kMatvecThreads, smem, s>>>(
+        W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
+        sorted_pairs, x_row, X, ldx, Y, ldy, stages);
+  }
+}
+
+// The own kernel, where it takes the product (Q4_K with chunked loads, KS <= 2); false: the
+// caller launches matvec_grouped_kernel.
+template <int T, int MAXC>
+bool launch_grouped_own_maxc(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts,
+                        int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
+                        float* Y, int64_t ldy, cudaStream_t s) {
+  if constexpr (T == kQ4_K) {
+    const int variant = grouped_variant_now();
+    const int64_t rows = W.ne[1];
+    if (variant == kGroupedPass5 || !use_chunks<T>(W, units) || rows * W.row_bytes() >= (int64_t{1} << 31))
+      return false;
+    const bool fast = variant == kGroupedOwnFast;
+    switch (matvec_kslices(rows, units)) {
+      case 1:
+        launch_grouped_own_ks<MAXC, 1>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy,
+                                       s);
+        return true;
+      case 2:
+        launch_grouped_own_ks<MAXC, 2>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy,
+                                       s);
+        return true;
+      default:
+        return false;
+    }
+  } else {
+    return false;
+  }
+}
+
 template <int T, int MAXC>
 void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts,
                          int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
                          float* Y, int64_t ldy, cudaStream_t s) {
+  // The own kernel (pass 6) where it is switched on and takes the matrix, sized for min(MAXC, width).
+  if constexpr (T == kQ4_K) {
+    const bool own = (MAXC <= 4 || grouped_width_now() >= 8)
+                         ? launch_grouped_own_maxc<T, MAXC>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row,
+                                                            X, ldx, Y, ldy, s)
+                         : launch_grouped_own_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X,
+                                                         ldx, Y, ldy, s);
+    if (own) return;
+  }
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   // Sized for the narrowest block (most blocks); wider parts leave their extra blocks idle.
@@ -451,6 +552,22 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
 }
 
 void set_matvec_chunked(bool on) { g_chunked.store(on ? 1 : 0, std::memory_order_relaxed); }
+
+void set_matvec_grouped(int variant, int stages, int width) {
+  if (variant < kGroupedPass5 || variant > kGroupedOwnFast)
+    throw std::invalid_argument("set_matvec_grouped: variant must be 0 (pass 5), 1 (own body) or 2 (own body, one-fma decode)");
+  if (stages != 0 && (stages < 2 || stages > kGroupedMaxStages))
+    throw std::invalid_argument("set_matvec_grouped: stages must be 2.." + std::to_string(kGroupedMaxStages) + " (0: keep)");
+  if (width != 0 && width != 4 && width != 8)
+    throw std::invalid_argument("set_matvec_grouped: width must be 4 or 8 (0: keep)");
+  g_grouped.store(variant, std::memory_order_relaxed);
+  if (stages != 0) g_grouped_stages.store(stages, std::memory_order_relaxed);
+  if (width != 0) g_grouped_width.store(width, std::memory_order_relaxed);
+}
+
+int matvec_grouped_variant() { return grouped_variant_now(); }
+int matvec_grouped_stages() { return grouped_stages_now(); }
+int matvec_grouped_width() { return grouped_width_now(); }
 
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,

@@ -689,4 +689,349 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
   }
 }
 
+// --- pass 6: the grouped kernel's own body (Q4_K) ----------------------------------------------
+//
+// What the kernel above spends its time on at flash-l4 shapes (ext/gpu/README.md, pass 5, and the
+// ptxas report of 3b06184): a warp carries R = 4 rows of one k-slice for only 2 passes of 32 units
+// (gate/up, K = 4096, KS = 2) or 1 (down), then meets the other k-slice's warp at a block barrier;
+// its copies are issued at its start and its decode runs after them, so load, decode and reduction
+// run in series; and under the 128-register cap its Q4_K instantiations spill (MAXC 4: 852 bytes
+// of spill loads a thread, MAXC 2: 236). This body keeps every bit of that arithmetic and changes
+// where it runs:
+//
+// - Virtual k-slices: one warp computes whole rows. Pass q of a row (units [32q, 32q + 32), lane l
+//   on unit 32q + l) belongs to k-slice q % KS; the warp keeps one accumulator set per k-slice, each
+//   fed in that slice's own unit order, and at the end puts each set through warp_sum and adds the
+//   sets as the k-slice tree does (s0 + s1; KS = 1: s0). Every output is bit-identical to the kernel
+//   above (so to the dense one), with no shared `part`, no block barrier (a warp never waits for
+//   another) and KS times the passes per warp to pipeline.
+// - A deeper copy stream: each warp's chunks (its rows' passes in order) run `stages` - 1 passes
+//   ahead (stages 2..4, a runtime choice; dynamic shared memory), so later passes are in flight
+//   while the lanes decode earlier ones.
+// - No register cap (the launch bound is the block size only; DS4_MV_OWN_MINB sets one for
+//   experiments), and rows per warp chosen for the doubled accumulators (grouped_own_rows_nc).
+// - Optionally (FAST) a one-fma Q4_K decode: w = fmaf(2 dl, 8 + q/2, C) with C = -ml - 16 dl, where
+//   8 + q/2 is one byte_perm (q in mantissa bits 19..22 of a float of exponent 2^3). Exactly,
+//   2 dl (8 + q/2) + C = dl q - ml, rounded once: the value fmaf(dl, q, -ml) gives, provided C is
+//   exact, which q4k_fast_addend checks per sub-block (it holds whenever dmin's exponent is within
+//   about -3..+11 of d's; in real and synthesized files dmin is the larger by 2^0..2^4). Where it
+//   does not, or where d or dmin is negative (then a zero weight's sign could differ), the lane's
+//   pass takes Unit<kQ4_K>::decode's two-fma form. A weight costs byte_perm + fmaf instead of
+//   byte_perm + fadd + fmaf, plus its fmaf into each column.
+//
+// Lane l always works on unit position l & 7 of a Q4_K block (a pass starts at a multiple of 32
+// units), so c = (l >> 1) & 3 is a lane constant: q4k_unit_scales takes both of the unit's (scale,
+// min) pairs with one shift chosen once per lane instead of q4k_scale_min's byte selects per unit.
+//
+// Launch: 128 threads; block (x, p) covers rows [4 RM x, 4 RM (x + 1)) of part p, RM the most rows
+// a warp carries at any of its widths, each warp its own R-row groups of them (grouped_own_nc);
+// dynamic shared memory grouped_own_smem(MAXC, stages). Taken for Q4_K matrices that take the
+// chunked loads with KS <= 2 (every DS4 expert shape) and whose expert is below 2^31 bytes; the
+// rest stay on the kernel above.
+
+// Values of the runtime switch (set_matvec_grouped, DS4_GPU_MV_GROUPED in matvec.cu).
+enum : int { kGroupedPass5 = 0, kGroupedOwn = 1, kGroupedOwnFast = 2 };
+constexpr int kGroupedMaxStages = 4;
+
+// Host side (matvec.cu): which grouped kernel Q4_K products take (kGroupedPass5, kGroupedOwn,
+// kGroupedOwnFast; all give the same bits), the own kernel's copy stages (2..4) and the widest
+// sub-part it runs at once (4 or 8: wider parts run in pieces, re-reading their weights, so that
+// the kernel's registers, which its widest body sets, stay few for the narrow parts that make up
+// most of a step); 0 keeps a value. Process-wide, read at launch (a graph keeps what it captured).
+void set_matvec_grouped(int variant, int stages = 0, int width = 0);
+int matvec_grouped_variant();
+int matvec_grouped_stages();
+int matvec_grouped_width();
+
+// The (d*sc, dmin*m) pairs of the two sub-blocks of unit position c (0..3) of a Q4_K block whose
+// first 16 bytes are the words dd, s0, s1, s2: sub-blocks 2c and 2c + 1 use bytes 2 (c & 1) and
+// 2 (c & 1) + 1 of the scale words, so one shift by 16 (c & 1) brings both to the low half
+// (ggml's get_scale_min_k4, two at a time). The same floats as Unit<kQ4_K>::set_scales.
+DS4_HD void q4k_unit_scales(uint32_t dd, uint32_t s0, uint32_t s1, uint32_t s2, int c, float* dl0, float* ml0,
+                            float* dl1, float* ml1) {
+  const int sh = 16 * (c & 1);
+  const uint32_t x0 = s0 >> sh, x1 = s1 >> sh, x2 = s2 >> sh;
+  const uint32_t sc = c < 2 ? (x0 & 0x3f3fu) : ((x2 & 0x0f0fu) | ((x0 >> 2) & 0x3030u));
+  const uint32_t m = c < 2 ? (x1 & 0x3f3fu) : (((x2 >> 4) & 0x0f0fu) | ((x1 >> 2) & 0x3030u));
+  const float d = half_bits_to_float(dd & 0xffffu), dmin = half_bits_to_float(dd >> 16);
+  *dl0 = d * byte_to_float<0>(sc);
+  *dl1 = d * byte_to_float<1>(sc);
+  *ml0 = dmin * byte_to_float<0>(m);
+  *ml1 = dmin * byte_to_float<1>(m);
+}
+
+// C = -ml - 16 dl for the one-fma decode, and whether it is exact; meaningful for d, dmin >= +0,
+// which the caller checks. Then both terms are <= 0, so the larger-magnitude one, big, has
+// |big| <= |C| <= 2 |big| and C - big is exact (Sterbenz): it equals the other term iff the sum was
+// not rounded. inf and NaN fail the test.
+DS4_HD bool q4k_fast_addend(float dl, float ml, float* c) {
+  const float a = -ml, b = dl * -16.0f;  // exact: a power-of-two multiple
+  const float s = a + b;
+  const float big = fminf(a, b), small = fmaxf(a, b);
+  *c = s;
+  return s - big == small;
+}
+
+// The nibbles of `word` (low: HI false, high: HI true) as bytes q << 3, so that byte_perm makes
+// byte i the third byte of a float whose top byte is 0x41: 2^3 (1 + q/16) = 8 + q/2, which times
+// 2 dl is 16 dl + dl q, exactly.
+template <bool HI>
+DS4_HD uint32_t q4k_fast_bytes(uint32_t word) {
+  return (HI ? (word >> 1) : (word << 3)) & 0x78787878u;
+}
+template <int I>
+DS4_HD float q4k_fast_q(uint32_t fb) {
+  return ds4_bits_to_float(ds4_byte_perm(fb, 0x41000000u, 0x7044u | (I << 8)));
+}
+
+// Group g (0..7) of a unit's 32 weights (elements k_of(u, g) .. + 3) from its 16 quant bytes, per
+// sub-block a multiplier m and an addend a: FAST: fmaf(m = 2 dl, 8 + q/2, a = C); else
+// fmaf(m = dl, q, a = -ml), as Unit<kQ4_K>::decode.
+template <bool FAST>
+DS4_HD void q4k_unit_decode(uint4 qs, float m0, float a0, float m1, float a1, int g, float w[4]) {
+  const uint32_t word = (g & 3) == 0 ? qs.x : (g & 3) == 1 ? qs.y : (g & 3) == 2 ? qs.z : qs.w;
+  const float m = g < 4 ? m0 : m1, a = g < 4 ? a0 : a1;
+  if (FAST) {
+    const uint32_t fb = g < 4 ? q4k_fast_bytes<false>(word) : q4k_fast_bytes<true>(word);
+    w[0] = fmaf(m, q4k_fast_q<0>(fb), a);
+    w[1] = fmaf(m, q4k_fast_q<1>(fb), a);
+    w[2] = fmaf(m, q4k_fast_q<2>(fb), a);
+    w[3] = fmaf(m, q4k_fast_q<3>(fb), a);
+  } else {
+    const uint32_t nib = g < 4 ? (word & 0x0f0f0f0fu) : ((word >> 4) & 0x0f0f0f0fu);
+    w[0] = fmaf(m, byte_to_float<0>(nib), a);
+    w[1] = fmaf(m, byte_to_float<1>(nib), a);
+    w[2] = fmaf(m, byte_to_float<2>(nib), a);
+    w[3] = fmaf(m, byte_to_float<3>(nib), a);
+  }
+}
+
+// Offset of group g's first element from the unit's first (k_of(u, g) - k_of(u, 0)).
+__host__ __device__ constexpr int q4k_group_k(int g) { return g < 4 ? 4 * g : 16 + 4 * g; }
+
+// Rows a warp of the own kernel carries for NC columns. Its accumulators are KS x R x NC (one set
+// per virtual k-slice), so it takes fewer rows than rows_per_warp for the same registers; R never
+// changes a result.
+#ifndef DS4_MV_OWN_R2
+#define DS4_MV_OWN_R2 4  // rows for 1-2 columns
+#endif
+#ifndef DS4_MV_OWN_R4
+#define DS4_MV_OWN_R4 2  // 3-4 columns
+#endif
+#ifndef DS4_MV_OWN_R8
+#define DS4_MV_OWN_R8 2  // 5-8 columns
+#endif
+__host__ __device__ constexpr int grouped_own_rows_nc(int nc) {
+  return nc <= 2 ? DS4_MV_OWN_R2 : nc <= 4 ? DS4_MV_OWN_R4 : DS4_MV_OWN_R8;
+}
+// Rows per warp the own kernel's blocks and buffers are sized for: the most of its sub-part widths.
+__host__ __device__ constexpr int grouped_own_rows(int maxc) {
+  int r = 0;
+  for (int nc = 1; nc <= maxc; ++nc) r = grouped_own_rows_nc(nc) > r ? grouped_own_rows_nc(nc) : r;
+  return r;
+}
+
+// Dynamic shared memory of one block of the own kernel.
+__host__ __device__ constexpr int grouped_own_smem(int maxc, int stages) {
+  return kMatvecWarps * stages * grouped_own_rows(maxc) * Unit<kQ4_K>::kChunkBytes;
+}
+
+// Until at most stages - 1 copy groups of this lane are in flight (the oldest one has landed).
+__device__ __forceinline__ void grouped_own_wait(int stages) {
+  if (stages >= 4) ds4_cp_async_wait<3>();
+  else if (stages == 3) ds4_cp_async_wait<2>();
+  else if (stages == 2) ds4_cp_async_wait<1>();
+  else ds4_cp_async_wait<0>();
+}
+
+// A pass's 32 weights of R rows applied to NC columns: per group, per column, per row, the
+// group's 4 elements in order (Unit-by-unit, the order of matvec_blocks' apply).
+template <bool FAST, int R, int NC>
+__device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const float (&m0)[R], const float (&a0)[R],
+                                                  const float (&m1)[R], const float (&a1)[R],
+                                                  const float* const (&xq)[NC], float (&acc)[R][NC]) {
+#pragma unroll
+  for (int g = 0; g < 8; ++g) {
+    float w[R][4];
+#pragma unroll
+    for (int r = 0; r < R; ++r) q4k_unit_decode<FAST>(qs[r], m0[r], a0[r], m1[r], a1[r], g, w[r]);
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      const float4 xv = ds4_ldg(reinterpret_cast<const float4*>(xq[c] + q4k_group_k(g)));
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        acc[r][c] = fmaf(w[r][0], xv.x, acc[r][c]);
+        acc[r][c] = fmaf(w[r][1], xv.y, acc[r][c]);
+        acc[r][c] = fmaf(w[r][2], xv.z, acc[r][c]);
+        acc[r][c] = fmaf(w[r][3], xv.w, acc[r][c]);
+      }
+    }
+  }
+}
+
+// NC columns (pairs[0..NC) of a part: Y row pairs[c], X row x_row[pairs[c]], or pairs[c] when
+// x_row is null) of rows r0 .. r0 + R of expert matrix We (R = grouped_own_rows_nc(NC)); buf: this
+// warp's stages x R chunks.
+template <int NC, int KS, bool FAST>
+__device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, int64_t row_bytes, int rows, int r0,
+                                                 int units, const int32_t* __restrict__ pairs,
+                                                 const int32_t* __restrict__ x_row, const float* __restrict__ X,
+                                                 int64_t ldx, float* __restrict__ Y, int64_t ldy, uint8_t* buf,
+                                                 int stages) {
+  constexpr int R = grouped_own_rows_nc(NC);
+  constexpr int CB = Unit<kQ4_K>::kChunkBytes, UB = CB / DS4_WARP;  // 576 bytes a chunk, 18 a unit
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+
+  // Rows past the end re-read the last row (valid memory); their sums are never stored. Lane l
+  // copies the 16-byte vectors l and l + 32 of each chunk (a chunk is at most 36 vectors).
+  const uint8_t* src_l = We + 16 * lane;
+  int row_off[R];  // the launcher keeps an expert matrix below 2^31 bytes
+#pragma unroll
+  for (int r = 0; r < R; ++r) row_off[r] = (r0 + r < rows ? r0 + r : rows - 1) * static_cast<int>(row_bytes);
+  const int passes = (units + DS4_WARP - 1) / DS4_WARP;
+  // Pass q of every row into stage st, one commit group.
+  auto issue = [&](int q, int st) {
+    if (q < passes) {
+      const int left = units - q * DS4_WARP;
+      const int nvec = (left < DS4_WARP ? left : DS4_WARP) * UB / 16;  // units % 8 == 0: whole vectors
+      uint8_t* dst = buf + st * R * CB + 16 * lane;
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint8_t* src = src_l + row_off[r] + q * CB;
+        if (lane < nvec) ds4_cp_async16(dst + r * CB, src);
+        if (lane + DS4_WARP < nvec) ds4_cp_async16(dst + r * CB + 16 * DS4_WARP, src + 16 * DS4_WARP);
+      }
+    }
+    ds4_cp_async_commit();  // an empty group past the end keeps the count right
+  };
+  // The stream starts before the column indices are read (they do not gate the copies).
+  for (int q = 0; q < stages - 1; ++q) issue(q, q);
+
+  // Lane l's elements of pass q (unit u = 32 q + l, so u >> 3 = 4 q + (l >> 3) and c, h from l):
+  // k = Unit<kQ4_K>::k_of(u, g) = 1024 q + 256 (l >> 3) + 64 c + 16 h + q4k_group_k(g).
+  const int lane_k = 256 * (lane >> 3) + 64 * ((lane >> 1) & 3) + 16 * (lane & 1);
+  const float* xp[NC];
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    const int32_t pair = pairs[c];
+    const int32_t xr = x_row != nullptr ? x_row[pair] : pair;
+    xp[c] = X + static_cast<int64_t>(xr) * ldx + lane_k;
+  }
+  const int cpos = (lane >> 1) & 3;
+  const int head_off = 144 * (lane >> 3), qs_off = head_off + 16 + 16 * (lane & 7);
+
+  float acc[KS][R][NC];
+#pragma unroll
+  for (int s = 0; s < KS; ++s)
+#pragma unroll
+    for (int r = 0; r < R; ++r)
+#pragma unroll
+      for (int c = 0; c < NC; ++c) acc[s][r][c] = 0.0f;
+
+  int st = 0;  // the stage pass q is in (q % stages)
+  for (int q0 = 0; q0 < passes; q0 += KS) {
+#pragma unroll
+    for (int s = 0; s < KS; ++s) {
+      const int q = q0 + s;
+      if (q < passes) {
+        int st_issue = st + stages - 1;  // pass q + stages - 1 goes where pass q - 1 was
+        if (st_issue >= stages) st_issue -= stages;
+        issue(q + stages - 1, st_issue);
+        grouped_own_wait(stages);
+        ds4_syncwarp();
+        if (lane < units - q * DS4_WARP) {
+          const uint8_t* chunk = buf + st * R * CB;
+          uint4 qs[R];
+          float dl0[R], a0[R], dl1[R], a1[R];  // two-fma form: dl, -ml
+          float m0[R], c0[R], m1[R], c1[R];    // FAST: 2 dl, C = -ml - 16 dl
+          bool fast = FAST;
+#pragma unroll
+          for (int r = 0; r < R; ++r) {
+            const uint4 head = *reinterpret_cast<const uint4*>(chunk + r * CB + head_off);
+            qs[r] = *reinterpret_cast<const uint4*>(chunk + r * CB + qs_off);
+            float ml0, ml1;
+            q4k_unit_scales(head.x, head.y, head.z, head.w, cpos, &dl0[r], &ml0, &dl1[r], &ml1);
+            a0[r] = -ml0;
+            a1[r] = -ml1;
+            if (FAST) {
+              const bool e0 = q4k_fast_addend(dl0[r], ml0, &c0[r]), e1 = q4k_fast_addend(dl1[r], ml1, &c1[r]);
+              fast = fast && (head.x & 0x80008000u) == 0u && e0 && e1;
+              m0[r] = 2.0f * dl0[r];  // exact
+              m1[r] = 2.0f * dl1[r];
+            }
+          }
+          const float* xq[NC];
+#pragma unroll
+          for (int c = 0; c < NC; ++c) xq[c] = xp[c] + 1024 * q;
+          // One form for all R rows of the lane's pass: the one-fma form only where every row allows it.
+          if (FAST && fast) grouped_own_apply<true, R, NC>(qs, m0, c0, m1, c1, xq, acc[s]);
+          else grouped_own_apply<false, R, NC>(qs, dl0, a0, dl1, a1, xq, acc[s]);
+        }
+        ds4_syncwarp();  // every lane is done with stage st before it is filled again
+        st = st + 1 == stages ? 0 : st + 1;
+      }
+    }
+  }
+
+  // Each k-slice's sums by the butterfly, added as the k-slice tree adds them; then Y.
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int c = 0; c < NC; ++c) {
+      float v = warp_sum(acc[0][r][c]);
+      if constexpr (KS == 2) v = v + warp_sum(acc[1][r][c]);
+      if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) Y[static_cast<int64_t>(pairs[c]) * ldy + r0 + r] = v;
+    }
+}
+
+// Columns pairs[0..nc) of a part with nc <= NC, dispatched to the body compiled for nc, over the
+// block's RM * 4 rows: warp w takes rows (4 g + w) R .. + R of them for g = 0 .. RM / R - 1 (R the
+// body's rows per warp), so every width covers the same rows with the same blocks.
+template <int NC, int KS, bool FAST, int RM>
+__device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, int64_t row_bytes, int rows, int units,
+                                               const int32_t* pairs, const int32_t* x_row, const float* X, int64_t ldx,
+                                               float* Y, int64_t ldy, uint8_t* buf, int stages) {
+  if (nc == NC) {
+    constexpr int R = grouped_own_rows_nc(NC);
+    static_assert(RM % R == 0, "a block's rows are whole row groups of every width");
+    const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+    const int b0 = static_cast<int>(blockIdx.x) * kMatvecWarps * RM;
+#pragma unroll 1
+    for (int g = 0; g < RM / R; ++g) {
+      const int r0 = b0 + (g * kMatvecWarps + warp) * R;
+      if (r0 >= rows) break;  // no barrier follows: no other warp waits for this one
+      grouped_own_part<NC, KS, FAST>(We, row_bytes, rows, r0, units, pairs, x_row, X, ldx, Y, ldy, buf, stages);
+    }
+  } else if constexpr (NC > 1) {
+    grouped_own_nc<NC - 1, KS, FAST, RM>(nc, We, row_bytes, rows, units, pairs, x_row, X, ldx, Y, ldy, buf, stages);
+  }
+}
+
+// The grouped product of matvec_grouped_kernel (same parts, same pairs, same bits) with the own
+// body above: block (x, p) runs rows [4 RM x, 4 RM (x + 1)) of part p (RM = grouped_own_rows(MAXC))
+// in sub-parts of at most MAXC columns, each warp its own rows. Parts past *n_parts exit.
+#ifndef DS4_MV_OWN_MINB
+#define DS4_MV_OWN_MINB 1
+#endif
+template <int MAXC, int KS, bool FAST>
+__global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
+    matvec_grouped_own_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
+                              int units, const ExpertPartDev* __restrict__ parts, const int32_t* __restrict__ n_parts,
+                              const int32_t* __restrict__ sorted_pairs, const int32_t* __restrict__ x_row,
+                              const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
+                              int stages) {
+  extern __shared__ __align__(16) uint8_t grouped_own_buf[];
+  const int p = static_cast<int>(blockIdx.y);
+  if (p >= *n_parts) return;
+  const ExpertPartDev pt = parts[p];
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+  uint8_t* buf = grouped_own_buf + warp * stages * grouped_own_rows(MAXC) * Unit<kQ4_K>::kChunkBytes;
+  const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
+  for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
+    const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
+    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC)>(nc, We, row_bytes, rows, units, sorted_pairs + pt.first + c0,
+                                                           x_row, X, ldx, Y, ldy, buf, stages);
+  }
+}
+
 }  // namespace ds4::gpu

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # Everything one device call does for the GPU engine (ext/gpu/README.md, "Engine"):
 #   OUT=dir ext/gpu/bench/engine_run.sh [--no-bench] [--budget SECONDS] [--harness BINARY]
-#                                       [--harness-bench --bench-chunked|--bench-staged|--bench]
+#                                       [--harness-bench --bench-chunked|--bench-staged|--bench-grouped|--bench]
 # 1. Python packages the image lacks, from carried wheels (.whl/, when present);
 # 2. the module: the carried cp312 build (build/gpu312/...), else built here (DS4_GPU=cuda, in place);
 # 3. in the background, a flash-l4 model synthesized to /tmp/f.gguf (about 60 s, 16.7 GB);
 # 4. pytest tests/gpu (engine_check.py's per-variant diagnosis only when it fails);
 #    with --harness (a harness built by build.sh, carried): its --check, then its bench
 #    (--harness-bench: --bench-chunked by default, the unit-by-unit and the chunked weight loads
-#    side by side) into harness.json;
+#    side by side; --bench-grouped: the grouped Q4_K kernel's pass-5 and pass-6 variants, compared
+#    bit for bit) into harness.json; --harness-bench without --harness takes the first carried
+#    build/gpu-harness/*/harness;
 # 5. compute-sanitizer memcheck on engine_check.py --quick (eager, then graphs + tall matvec);
 # 6. engine_bench.py on flash-l4: exactness of graphs and tall matvec bit for bit, prefill and
 #    decode C = 1, 2, 4, 8 in each mode with rooflines, a kernel profile;
@@ -27,15 +29,20 @@ bench=1
 budget=330
 harness=
 harness_bench=--bench-chunked
+harness_bench_set=0
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
     --budget) budget=$2; shift ;;
     --harness) harness=$2; shift ;;
-    --harness-bench) harness_bench=$2; shift ;;
+    --harness-bench) harness_bench=$2; harness_bench_set=1; shift ;;
   esac
   shift
 done
+if [ -z "$harness" ] && [ $harness_bench_set = 1 ]; then
+  harness=$(ls build/gpu-harness/*/harness 2>/dev/null | head -1)
+  [ -n "$harness" ] || echo "--harness-bench $harness_bench: no carried build/gpu-harness/*/harness"
+fi
 start=$SECONDS
 # The timeout for a part: its own limit, or what is left of the budget less a margin.
 left() {

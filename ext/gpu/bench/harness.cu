@@ -8,6 +8,11 @@
 //   harness --bench [--json F]     copy bandwidth, then matvec timings (1, 2, 4, 8, 16 columns)
 //   harness --bench-staged [--json F]  copy bandwidth, then the DS4-Flash dense shapes on the direct
 //                                  and the staged kernel side by side (1, 2, 4, 8, 16 columns)
+//   harness --bench-grouped [--json F]  copy bandwidth, then the grouped Q4_K kernel at flash-l4's
+//                                  expert shapes (gate/up 4096 -> 2048, down 2048 -> 4096; 256 experts,
+//                                  6 routes a lane; 1, 2, 4, 8, 64 lanes): pass 5 beside the pass-6
+//                                  variants, each output compared with pass 5's bit for bit (exit 1
+//                                  on a difference), then a speedup table
 //   harness --decode               the device decoders run on the host vs the CPU (no GPU needed)
 //
 // References: weights are dequantized with ext/cpu/quant.cpp (ds4::dequantize_row) and dotted in
@@ -303,6 +308,88 @@ void check_grouped(DType t, int64_t K, int64_t rows, int n_expert, int n_lanes, 
   report(bad == 0, buf);
 }
 
+// Q4_K weights for the pass-6 checks: random_weights' blocks, with a share of blocks made to
+// take the own kernel's two-fma fallback (matvec.cuh, q4k_fast_addend): dmin 2^-12 of d (the
+// addend -ml - 16 dl is then inexact for most scales), a negative d or dmin, d = 0, all mins 0.
+std::vector<uint8_t> q4k_mixed_weights(int64_t K, int64_t rows, Rng& rng) {
+  std::vector<uint8_t> w = random_weights(DType::Q4_K, K, rows, rng);
+  const int64_t nb = K / 256 * rows;
+  for (int64_t b = 0; b < nb; ++b) {
+    uint8_t* p = w.data() + b * 144;
+    const int kind = rng.integer(0, 9);
+    if (kind == 0) {  // dmin tiny against d
+      const uint16_t dmin = f32_to_f16(f16_to_f32(static_cast<uint16_t>(p[0] | (p[1] << 8))) / 4096.0f);
+      std::memcpy(p + 2, &dmin, 2);
+    } else if (kind == 1) {
+      p[1] |= 0x80;  // d < 0
+    } else if (kind == 2) {
+      p[3] |= 0x80;  // dmin < 0
+    } else if (kind == 3) {
+      p[0] = p[1] = 0;  // d = +0
+    } else if (kind == 4) {
+      p[8] = p[9] = p[10] = p[11] = 0;  // mins of sub-blocks 0..3 zero,
+      p[12] &= 0x0f, p[13] &= 0x0f, p[14] &= 0x0f, p[15] &= 0x0f;  // and of 4..7
+    }
+  }
+  return w;
+}
+
+// The grouped kernel's variants (matvec.cuh: pass 5, the own body, the own body with the one-fma
+// decode; copy stages 2..4) against each other bit for bit, every pair, at MAXC 1/2/4/8; and the
+// pass-5 result against single-column dense products. `mixed`: q4k_mixed_weights.
+void check_grouped_variants(int64_t K, int64_t rows, int n_expert, int n_lanes, int per_lane, bool mixed, Rng& rng) {
+  const std::vector<uint8_t> wbytes =
+      mixed ? q4k_mixed_weights(K, rows * n_expert, rng) : random_weights(DType::Q4_K, K, rows * n_expert, rng);
+  const TensorView W = view(DType::Q4_K, K, rows, wbytes.data(), n_expert);
+  const std::vector<float> X = random_floats(static_cast<size_t>(n_lanes) * K, rng);
+  std::vector<int32_t> pe, xr;
+  for (int l = 0; l < n_lanes; ++l) {
+    std::vector<int> ex(n_expert);
+    for (int e = 0; e < n_expert; ++e) ex[e] = e;
+    std::shuffle(ex.begin(), ex.end(), rng.gen);
+    for (int j = 0; j < per_lane; ++j) {
+      pe.push_back(ex[j] % std::max(1, n_expert / 2));  // half the experts: parts of several lanes
+      xr.push_back(l);
+    }
+  }
+  const int n_pairs = static_cast<int>(pe.size());
+  const int v0 = g::matvec_grouped_variant(), s0 = g::matvec_grouped_stages(), w0 = g::matvec_grouped_width();
+  auto run = [&](int variant, int stages, int max_cols, int width) {
+    g::set_matvec_grouped(variant, stages, width);
+    std::vector<float> y(static_cast<size_t>(n_pairs) * rows, std::nanf(""));
+    g::testing::matvec_grouped(W, X.data(), n_lanes, K, pe.data(), xr.data(), n_pairs, 8, y.data(), rows, max_cols);
+    return y;
+  };
+  const std::vector<float> ref = run(g::kGroupedPass5, 0, 8, 0);
+  int bad_dense = 0;
+  std::vector<float> single(static_cast<size_t>(rows));
+  for (int p = 0; p < n_pairs; ++p) {
+    g::testing::matvec(W.expert(pe[p]), &X[static_cast<size_t>(xr[p]) * K], 1, K, single.data(), rows);
+    if (!bits_equal(single.data(), &ref[static_cast<size_t>(p) * rows], rows)) ++bad_dense;
+  }
+  int bad = 0, unwritten = 0, runs = 0;
+  for (int variant : {g::kGroupedOwn, g::kGroupedOwnFast})
+    for (int stages : {2, 3, 4})
+      for (int max_cols : {1, 2, 4, 8})
+        for (int width : {4, 8}) {
+          // every stage count at MAXC 1 and 8; every MAXC at 3 stages; width 8 where it matters
+          if ((stages != 3 && max_cols != 8 && max_cols != 1) || (width == 8 && max_cols != 8)) continue;
+          const std::vector<float> y = run(variant, stages, max_cols, width);
+          ++runs;
+          for (float v : y) unwritten += std::isnan(v) ? 1 : 0;
+          for (int p = 0; p < n_pairs; ++p)
+            if (!bits_equal(&y[static_cast<size_t>(p) * rows], &ref[static_cast<size_t>(p) * rows], rows)) ++bad;
+        }
+  g::set_matvec_grouped(v0, s0, w0);
+  char buf[240];
+  std::snprintf(buf, sizeof(buf),
+                "grouped Q4_K K=%" PRId64 " rows=%" PRId64 " ks=%d%s: own / own-fast == pass 5 over %d runs x %d pairs "
+                "(%d differ, %d unwritten); pass 5 == dense (%d differ)",
+                K, rows, g::matvec_kslices(rows, K / 32), mixed ? " mixed scales" : "", runs, n_pairs, bad, unwritten,
+                bad_dense);
+  report(bad == 0 && unwritten == 0 && bad_dense == 0, buf);
+}
+
 void check_rms_norm(Rng& rng) {
   const int n_rows = 5;
   const int64_t n = 4096;
@@ -456,6 +543,98 @@ void check_argmax(Rng& rng) {
     ok = ok && got[i] == best;
   }
   report(ok, "argmax (ties: first index; NaN: first NaN) matches numpy's rule");
+}
+
+// The own grouped kernel's Q4_K decoders on the host (matvec.cuh, pass 6): for every unit of
+// `rows` rows, q4k_unit_scales with the lane's c, the two-fma form always and the one-fma form where
+// q4k_fast_addend (and d, dmin >= +0) allow it, against the CPU dequantizer bit for bit (zero signs
+// included). Returns the mismatches; *fast_units counts the units the one-fma form took.
+int q4k_own_mismatches(const uint8_t* base, int64_t K, int64_t rows, int64_t* fast_units, int64_t* units_seen) {
+  int bad = 0;
+  std::vector<float> ref(static_cast<size_t>(K));
+  const int64_t row_bytes = K / 256 * 144;
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint8_t* row = base + r * row_bytes;
+    ds4::dequantize_row(DType::Q4_K, row, ref.data(), K);
+    for (int64_t u = 0; u < K / 32; ++u) {
+      const uint8_t* blk = row + 144 * (u >> 3);
+      uint32_t hw[4];
+      std::memcpy(hw, blk, 16);
+      uint4 qs;
+      std::memcpy(&qs, blk + 16 + 16 * (u & 7), 16);
+      const int c = static_cast<int>(u >> 1) & 3;
+      float dl0, ml0, dl1, ml1, f0, f1;
+      g::q4k_unit_scales(hw[0], hw[1], hw[2], hw[3], c, &dl0, &ml0, &dl1, &ml1);
+      const bool fast = (hw[0] & 0x80008000u) == 0u && g::q4k_fast_addend(dl0, ml0, &f0) &&
+                        g::q4k_fast_addend(dl1, ml1, &f1);
+      *fast_units += fast ? 1 : 0;
+      *units_seen += 1;
+      for (int gi = 0; gi < 8; ++gi) {
+        float ws[4], wf[4];
+        g::q4k_unit_decode<false>(qs, dl0, -ml0, dl1, -ml1, gi, ws);
+        if (fast) g::q4k_unit_decode<true>(qs, 2.0f * dl0, f0, 2.0f * dl1, f1, gi, wf);
+        const int64_t k = g::Unit<g::kQ4_K>::k_of(u, gi);
+        for (int e = 0; e < 4; ++e) {
+          const float a = ref[k + e];
+          bad += std::memcmp(&a, &ws[e], 4) != 0 && !(std::isnan(a) && std::isnan(ws[e]));
+          if (fast) bad += std::memcmp(&a, &wf[e], 4) != 0;
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+void check_q4k_own_decode(Rng& rng) {
+  const int64_t K = 1024, rows = 256, nb = K / 256 * rows;
+  struct Case {
+    const char* name;
+    int kind;
+  };
+  // 0: random bytes, exponents below inf/NaN (every d/dmin ratio, both signs); 1: the harness's
+  // random_weights (d, dmin in [0.0005, 0.005]); 2: flash-l4's synthesized blocks (dmin = 7.5 d,
+  // ds4_app/engine/synth.py); 3: q4k_mixed_weights (zeros, negative scales, tiny dmin).
+  for (const Case cs : {Case{"random bytes", 0}, Case{"harness weights", 1}, Case{"synth (dmin = 7.5 d)", 2},
+                        Case{"mixed scales", 3}}) {
+    std::vector<uint8_t> w;
+    if (cs.kind == 1) {
+      w = random_weights(DType::Q4_K, K, rows, rng);
+    } else if (cs.kind == 3) {
+      w = q4k_mixed_weights(K, rows, rng);
+    } else {
+      w.resize(static_cast<size_t>(nb * 144));
+      for (auto& b : w) b = static_cast<uint8_t>(rng.integer(0, 255));
+      for (int64_t b = 0; b < nb; ++b) {
+        uint8_t* p = w.data() + b * 144;
+        if (cs.kind == 0) {
+          p[1] &= 0xbf;
+          p[3] &= 0xbf;
+        } else {
+          const float d = static_cast<float>(rng.uniform(0.5, 1.5) * 1e-4);
+          const uint16_t dh = f32_to_f16(d), mh = f32_to_f16(7.5f * d);
+          std::memcpy(p, &dh, 2);
+          std::memcpy(p + 2, &mh, 2);
+          for (int j = 0; j < 8; ++j) {  // sc in 8..31, m = sc + [-3, 3], packed as synth.py does
+            const int sc = rng.integer(8, 31), m = sc + rng.integer(-3, 3);
+            if (j < 4) {
+              p[4 + j] = static_cast<uint8_t>((p[4 + j] & 0xc0) | (sc & 63));
+              p[8 + j] = static_cast<uint8_t>((p[8 + j] & 0xc0) | (m & 63));
+            } else {
+              p[4 + j - 4] = static_cast<uint8_t>((p[4 + j - 4] & 63) | ((sc >> 4) << 6));
+              p[8 + j - 4] = static_cast<uint8_t>((p[8 + j - 4] & 63) | ((m >> 4) << 6));
+              p[12 + j - 4] = static_cast<uint8_t>((sc & 15) | ((m & 15) << 4));
+            }
+          }
+        }
+      }
+    }
+    int64_t fast = 0, seen = 0;
+    const int bad = q4k_own_mismatches(w.data(), K, rows, &fast, &seen);
+    char buf[200];
+    std::snprintf(buf, sizeof(buf), "decode Q4_K own kernel (%s): %d weights differ from the CPU; one-fma form on %.1f%% of units",
+                  cs.name, bad, 100.0 * static_cast<double>(fast) / static_cast<double>(std::max<int64_t>(seen, 1)));
+    report(bad == 0, buf);
+  }
 }
 
 // The device decoders run on the host (they are __host__ __device__): every element of random
@@ -695,14 +874,115 @@ void bench_grouped(const std::string& name, DType t, int64_t K, int64_t rows, in
   }
 }
 
-enum BenchMode { kBenchDefault, kBenchStaged, kBenchChunked };
+// A grouped kernel to time (matvec.cuh, pass 6): variant and copy stages.
+struct GroupedConfig {
+  std::string label;
+  int variant, stages, width;
+};
+
+// The grouped kernel's configurations side by side on the same weights (one copy of `experts`
+// experts) and the same routings (16 per lane count, n_lanes x 6 routes, planned on the device),
+// then each configuration's output on the first routing against the first configuration's, bit for
+// bit (*mismatches counts the differing configurations). Rows named "<name> <label>", cols = lanes.
+void bench_grouped_configs(const std::string& name, DType t, int64_t K, int64_t rows, int experts,
+                           const std::vector<int>& lane_counts, const std::vector<GroupedConfig>& configs,
+                           double copy_bw, Rng& rng, std::vector<BenchRow>& out, int* mismatches) {
+  const int per_lane = 6, n_sets = 16;
+  WeightSet ws(t, K, rows, experts, rng);
+  const int v0 = g::matvec_grouped_variant(), s0 = g::matvec_grouped_stages(), w0 = g::matvec_grouped_width();
+  for (int n_lanes : lane_counts) {
+    const int n_pairs = n_lanes * per_lane;
+    DeviceMem x(static_cast<size_t>(n_lanes) * K * sizeof(float)), y(static_cast<size_t>(n_pairs) * rows * sizeof(float));
+    const std::vector<float> xh = random_floats(static_cast<size_t>(n_lanes) * K, rng);
+    DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
+    std::vector<DeviceMem*> keep;
+    std::vector<int32_t*> sorted(n_sets), nparts(n_sets);
+    std::vector<g::ExpertPart*> parts(n_sets);
+    double distinct_total = 0.0;
+    DeviceMem xr(n_pairs * sizeof(int32_t));
+    std::vector<int32_t> xrh(n_pairs);
+    for (int p = 0; p < n_pairs; ++p) xrh[p] = p / per_lane;
+    DS4_GPU_CHECK(cudaMemcpy(xr.p, xrh.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
+    for (int sidx = 0; sidx < n_sets; ++sidx) {
+      std::vector<int32_t> pe;
+      std::vector<char> seen(experts, 0);
+      for (int l = 0; l < n_lanes; ++l) {
+        std::vector<int> ex(experts);
+        for (int e = 0; e < experts; ++e) ex[e] = e;
+        std::shuffle(ex.begin(), ex.end(), rng.gen);
+        for (int j = 0; j < per_lane; ++j) {
+          pe.push_back(ex[j]);
+          seen[ex[j]] = 1;
+        }
+      }
+      distinct_total += std::count(seen.begin(), seen.end(), 1);
+      auto* pe_d = new DeviceMem(n_pairs * sizeof(int32_t));
+      auto* so_d = new DeviceMem(n_pairs * sizeof(int32_t));
+      auto* pa_d = new DeviceMem(n_pairs * sizeof(g::ExpertPart));
+      auto* np_d = new DeviceMem(sizeof(int32_t));
+      keep.insert(keep.end(), {pe_d, so_d, pa_d, np_d});
+      DS4_GPU_CHECK(cudaMemcpy(pe_d->p, pe.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
+      g::build_expert_parts(pe_d->as<int32_t>(), n_pairs, experts, 8, so_d->as<int32_t>(), pa_d->as<g::ExpertPart>(),
+                            np_d->as<int32_t>(), nullptr);
+      sorted[sidx] = so_d->as<int32_t>();
+      parts[sidx] = pa_d->as<g::ExpertPart>();
+      nparts[sidx] = np_d->as<int32_t>();
+    }
+    DS4_GPU_CHECK(cudaDeviceSynchronize());
+    const int max_cols = std::min(n_lanes, 8);  // as the engine sizes it
+    const double expert_bytes = static_cast<double>(ws.base.row_bytes()) * rows;
+    const double bytes = distinct_total / n_sets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
+    std::vector<float> first;
+    for (size_t ci = 0; ci < configs.size(); ++ci) {
+      const GroupedConfig& cf = configs[ci];
+      g::set_matvec_grouped(cf.variant, cf.stages, cf.width);
+      const double sec = time_launches([&](cudaStream_t st, int i) {
+        const int k = i % n_sets;
+        g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
+                          y.as<float>(), rows, st, max_cols);
+      }, 32, 15);
+      out.push_back({name + " " + cf.label, n_lanes, sec * 1e6, bytes / sec / 1e9, bytes / sec / copy_bw});
+      // The same launch once more on routing 0, then its output against the first configuration's.
+      DS4_GPU_CHECK(cudaMemset(y.p, 0xff, static_cast<size_t>(n_pairs) * rows * sizeof(float)));
+      g::matvec_grouped(ws.at(0), parts[0], nparts[0], n_pairs, sorted[0], xr.as<int32_t>(), x.as<float>(), K,
+                        y.as<float>(), rows, nullptr, max_cols);
+      DS4_GPU_CHECK(cudaDeviceSynchronize());
+      std::vector<float> yh(static_cast<size_t>(n_pairs) * rows);
+      DS4_GPU_CHECK(cudaMemcpy(yh.data(), y.p, yh.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      if (ci == 0) {
+        first = yh;
+      } else if (!bits_equal(first.data(), yh.data(), yh.size())) {
+        ++*mismatches;
+        std::printf("FAIL  %s %s at %d lanes: output differs from %s\n", name.c_str(), cf.label.c_str(), n_lanes,
+                    configs[0].label.c_str());
+      }
+    }
+    for (auto* m : keep) delete m;
+  }
+  g::set_matvec_grouped(v0, s0, w0);
+}
+
+enum BenchMode { kBenchDefault, kBenchStaged, kBenchChunked, kBenchGrouped };
 
 int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
   g::matvec_prepare();  // outside the graph captures below
   const double bw = copy_bandwidth();
   std::printf("device-to-device copy: %.1f GB/s (read + write)\n", bw / 1e9);
   std::vector<BenchRow> rows;
-  if (mode == kBenchChunked) {
+  int mismatches = 0;
+  if (mode == kBenchGrouped) {
+    // The grouped Q4_K kernel at flash-l4's expert shapes (256 experts, 6 routes a lane), pass 5
+    // against the own body (pass 6) at each copy-stage count, with the one-fma decode and without.
+    const std::vector<int> lanes = {1, 2, 4, 8, 64};
+    const std::vector<GroupedConfig> configs = {
+        {"pass5", g::kGroupedPass5, 0, 0},          {"own s3", g::kGroupedOwn, 3, 4},
+        {"own-fast s2", g::kGroupedOwnFast, 2, 4},  {"own-fast s3", g::kGroupedOwnFast, 3, 4},
+        {"own-fast s4", g::kGroupedOwnFast, 4, 4},  {"own-fast s3 w8", g::kGroupedOwnFast, 3, 8}};
+    bench_grouped_configs("grouped Q4_K [4096 -> 2048] x256 gate/up", DType::Q4_K, 4096, 2048, 256, lanes, configs, bw,
+                          rng, rows, &mismatches);
+    bench_grouped_configs("grouped Q4_K [2048 -> 4096] x256 down", DType::Q4_K, 2048, 4096, 256, lanes, configs, bw,
+                          rng, rows, &mismatches);
+  } else if (mode == kBenchChunked) {
     // The flash-l4 decode shapes with the unit-by-unit and the chunked weight loads (same bits).
     for (bool chunked : {false, true}) {
       g::set_matvec_chunked(chunked);
@@ -746,6 +1026,19 @@ int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
   std::printf("\n%-52s %5s %10s %9s %8s\n", "matrix", "cols", "us/call", "GB/s", "of copy");
   for (const auto& r : rows)
     std::printf("%-52s %5d %10.2f %9.1f %7.1f%%\n", r.name.c_str(), r.ncols, r.us, r.gbs, 100.0 * r.frac);
+  if (mode == kBenchGrouped) {
+    // Each configuration against pass 5 at the same shape and lanes (the first row of its group).
+    std::printf("\n%-52s %5s %10s %10s\n", "grouped, against pass 5", "lanes", "us/call", "speedup");
+    for (const auto& r : rows) {
+      const std::string shape = r.name.substr(0, r.name.rfind(" x256 ") + 5);
+      for (const auto& b : rows)
+        if (b.ncols == r.ncols && b.name.compare(0, shape.size(), shape) == 0 && b.name.find(" pass5") != std::string::npos &&
+            &b != &r)
+          std::printf("%-52s %5d %10.2f %9.3fx\n", r.name.c_str(), r.ncols, r.us, b.us / r.us);
+    }
+    std::printf("grouped variants bit-identical to pass 5: %s (%d mismatching)\n", mismatches ? "NO" : "yes",
+                mismatches);
+  }
   if (json_path) {
     FILE* f = std::fopen(json_path, "w");
     if (!f) return 1;
@@ -758,7 +1051,7 @@ int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
     std::fprintf(f, "]}\n");
     std::fclose(f);
   }
-  return 0;
+  return mismatches ? 1 : 0;
 }
 
 int run_check(uint64_t seed, bool quick) {
@@ -792,6 +1085,19 @@ int run_check(uint64_t seed, bool quick) {
     check_grouped(t, 512, quick ? 40 : 300, 16, quick ? 3 : 9, 6, 8, rng);
     if (!quick) check_grouped(t, 512, 300, 16, 9, 6, 1, rng);
   }
+  // The grouped kernel's variants (pass 6), bit for bit: flash-l4's gate/up and down shapes (KS 2;
+  // 4 and 2 passes a row), KS 1 with a partial pass and a partial row block, KS 2 with a partial
+  // last pass, a KS 4 shape (stays on the pass-5 kernel), and blocks that force the two-fma fallback.
+  if (quick) {
+    check_grouped_variants(1280, 40, 4, 3, 2, true, rng);
+  } else {
+    check_grouped_variants(4096, 2048, 8, 9, 6, false, rng);
+    check_grouped_variants(2048, 4096, 8, 9, 6, true, rng);
+    check_grouped_variants(1280, 300, 16, 9, 6, true, rng);
+    check_grouped_variants(2304, 300, 16, 9, 6, true, rng);  // KS 2, a partial third pass
+    check_grouped_variants(512, 300, 16, 9, 6, false, rng);
+    check_grouped_variants(4096, 300, 8, 5, 6, true, rng);
+  }
   check_rms_norm(rng);
   check_embed(rng);
   check_rope(rng);
@@ -815,12 +1121,14 @@ int main(int argc, char** argv) {
     else if (a == "--bench") bench = true;
     else if (a == "--bench-staged") bench = true, mode = kBenchStaged;
     else if (a == "--bench-chunked") bench = true, mode = kBenchChunked;
+    else if (a == "--bench-grouped") bench = true, mode = kBenchGrouped;
     else if (a == "--decode") decode = true;
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
       std::fprintf(stderr,
-                   "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged | --bench-chunked [--json FILE]] "
+                   "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged | --bench-chunked | --bench-grouped "
+                   "[--json FILE]] "
                    "[--seed N]\n");
       return 2;
     }
@@ -828,6 +1136,7 @@ int main(int argc, char** argv) {
   if (decode) {
     Rng rng(seed);
     check_decode_on_host(rng);
+    check_q4k_own_decode(rng);
     if (!check && !bench) return g_failures ? 1 : 0;
   }
   if (!g::available()) {
