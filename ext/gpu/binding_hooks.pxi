@@ -17,6 +17,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
         const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
         const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols) except +
     void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
+    void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
                                                                 int staged_min) except +
@@ -128,6 +129,12 @@ def _t_gpu_set_matvec_chunked(on):
     gpu_set_matvec_chunked(bool(on))
 
 
+def _t_gpu_set_matvec_grouped(int variant):
+    """Which grouped kernel Q4_K expert products take, process-wide: 0 pass 5, 1 the own body,
+    2 the own body with the one-fma decode (ext/gpu/matvec.cuh; the bits never change)."""
+    gpu_set_matvec_grouped(variant)
+
+
 def _t_gpu_rms_norm(X, w, float eps):
     """RMSNorm of each row of X (w None: unweighted) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -236,6 +243,7 @@ _GPU_TESTING = dict(
     gpu_matmul=_t_gpu_matmul,
     gpu_matmul_grouped=_t_gpu_matmul_grouped,
     gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
+    gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

@@ -87,6 +87,10 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
 // matrix allows (on by default; DS4_GPU_MV_CHUNKED=0 turns it off): false sends them to the
 // unit-by-unit loads, which give the same bits (for tests and benches; process-wide).
 void set_matvec_chunked(bool on);
+// The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and
+// width, matvec.cuh) as one number: a CUDA graph bakes in the kernels chosen at its capture, so
+// the engine keys its graphs by it.
+int matvec_settings_key();
 
 // Y[i] = X[i] * rsqrt(mean(X[i]^2) + eps) * w (w may be null), rows i < n_rows of n elements; the
 // sum of squares in double, as the CPU does.
@@ -124,8 +128,9 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
 // i reads elements [i * K, (i + 1) * K) of each column; Y [ncols][n_batch * rows] in member order.
 void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols, float* Y, bool tall,
                     int staged_min);
-// ds4::gpu::set_matvec_chunked, for the binding.
+// ds4::gpu::set_matvec_chunked and set_matvec_grouped (matvec.cuh), for the binding.
 void set_matvec_chunked(bool on);
+void set_matvec_grouped(int variant);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
 void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
@@ -155,6 +160,7 @@ inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, co
   no_backend();
 }
 inline void set_matvec_chunked(bool) { no_backend(); }
+inline void set_matvec_grouped(int) { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
 inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }

@@ -165,7 +165,8 @@ struct GpuEngine::Impl {
   bool graphs = false;
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
-  std::map<std::tuple<int, int, int, bool, bool>, cudaGraphExec_t> graph_cache;
+  // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key()).
+  std::map<std::tuple<int, int, int, bool, bool, int>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -656,7 +657,8 @@ void GpuEngine::Impl::launch_step() {
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
-  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged);
+  const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
+                                   matvec_settings_key());
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

@@ -565,6 +565,10 @@ void set_matvec_grouped(int variant, int stages, int width) {
   if (width != 0) g_grouped_width.store(width, std::memory_order_relaxed);
 }
 
+int matvec_settings_key() {
+  return (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 | grouped_width_now() << 6;
+}
+
 int matvec_grouped_variant() { return grouped_variant_now(); }
 int matvec_grouped_stages() { return grouped_stages_now(); }
 int matvec_grouped_width() { return grouped_width_now(); }

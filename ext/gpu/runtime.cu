@@ -10,6 +10,7 @@
 
 #include "ds4_gpu.h"
 #include "common.cuh"
+#include "matvec.cuh"
 
 // Devices this backend sees; 0 without a driver or a device (never throws). The binding's
 // gpu_available() (ext/python/_native.pyx) declares and calls this one global function.
@@ -156,6 +157,8 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
 }
 
 void set_matvec_chunked(bool on) { ds4::gpu::set_matvec_chunked(on); }
+
+void set_matvec_grouped(int variant) { ds4::gpu::set_matvec_grouped(variant); }
 
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps) {
   if (n_rows <= 0) return;

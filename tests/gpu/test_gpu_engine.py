@@ -250,6 +250,33 @@ def test_graph_replay_gives_the_same_bits(invariance_case) -> None:
     assert 2 <= eng.graphs_captured < 60
 
 
+@pytest.mark.parametrize("graphs", [False, True])
+def test_grouped_expert_kernels_give_the_same_bits(invariance_case, graphs: bool) -> None:
+    """The grouped kernel variants for Q4_K experts (0 pass 5, 1 the own body, 2 its one-fma
+    decode), each with and without chunked loads, against the baseline bits; under graphs a changed
+    setting captures new graphs (a graph keeps the kernels it captured)."""
+    mf, target, baseline = invariance_case
+    seqs = [Seq(target, slot=0, pages=[0, 1], rows=1), Seq(prompt(mf, 56, 70), slot=3, pages=[4, 5], rows=4, start=2)]
+    eng = gpu_engine(mf, max_rows=24)
+    eng.use_graphs = graphs
+    captured = 0
+    try:
+        for variant in (0, 1, 2):
+            for chunked in (False, True):
+                native._testing.gpu_set_matvec_grouped(variant)
+                native._testing.gpu_set_matvec_chunked(chunked)
+                for s in (0, 3):
+                    eng.reset_slot(s)
+                got = run(eng, seqs)[0]
+                assert np.array_equal(got, baseline), f"variant {variant}, chunked {chunked}"
+                if graphs:
+                    assert eng.graphs_captured > captured, "a changed matvec setting must capture new graphs"
+                    captured = eng.graphs_captured
+    finally:
+        native._testing.gpu_set_matvec_grouped(0)
+        native._testing.gpu_set_matvec_chunked(True)
+
+
 @pytest.mark.parametrize("switch", ["use_tall_matvec", "use_staged_matvec"])
 def test_matvec_variants_give_the_same_bits(model_dir: Path, switch: str) -> None:
     """matvec's tall variant (the 16448-row LM head) and its staged kernel (products of 2+
