@@ -286,8 +286,10 @@ int staged_pieces(const TensorView& W, int nc, int staged_min) {
   return pieces <= kMaxStagedPieces ? pieces : 0;
 }
 
-// Which grouped kernel Q4_K products take (matvec.cuh, pass 6): kGroupedPass5 (the default),
-// kGroupedOwn or kGroupedOwnFast, all the same bits; DS4_GPU_MV_GROUPED=0|1|2 sets it,
+// Which grouped kernel Q4_K products take (matvec.cuh, pass 6): kGroupedPass5, kGroupedOwn (the
+// default: on flash-l4 the engine decodes 11-38% faster than with pass 5 at C = 1-8 and prefills
+// 21% faster, and it matches or beats kGroupedOwnFast; ext/gpu/README.md "Pass 6: outcome") or
+// kGroupedOwnFast, all the same bits; DS4_GPU_MV_GROUPED=0|1|2 sets it,
 // DS4_GPU_MV_GROUPED_STAGES=2..4 the own kernel's copy stages (default 3) and
 // DS4_GPU_MV_GROUPED_WIDTH=4|8 its widest sub-part (default 4).
 std::atomic<int> g_grouped{-1}, g_grouped_stages{-1}, g_grouped_width{-1};  // -1: not read yet
@@ -303,7 +305,7 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 int grouped_variant_now() {
   int v = g_grouped.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = env_int("DS4_GPU_MV_GROUPED", kGroupedPass5, kGroupedOwnFast, kGroupedPass5);
+    v = env_int("DS4_GPU_MV_GROUPED", kGroupedPass5, kGroupedOwnFast, kGroupedOwn);
     g_grouped.store(v, std::memory_order_relaxed);
   }
   return v;

@@ -272,8 +272,8 @@ def test_grouped_expert_kernels_give_the_same_bits(invariance_case, graphs: bool
                 if graphs:
                     assert eng.graphs_captured > captured, "a changed matvec setting must capture new graphs"
                     captured = eng.graphs_captured
-    finally:
-        native._testing.gpu_set_matvec_grouped(0)
+    finally:  # the defaults
+        native._testing.gpu_set_matvec_grouped(1)
         native._testing.gpu_set_matvec_chunked(True)
 
 
