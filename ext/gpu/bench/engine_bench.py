@@ -8,8 +8,8 @@ includes the plan upload, every kernel and the logits download). Method:
 
 - copy bandwidth: a 4 GiB device-to-device copy through PyTorch (bytes read + written), median of
   10 timed with device events after 3 warm-ups; also a 4 GiB read-only reduction;
-- prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (logits for the last
-  row of each step only), tok/s = 2048 / wall time;
+- prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (--prefill-rows: other
+  sizes; logits for the last row of each step only), tok/s = 2048 / wall time;
 - decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 6, 8 the first C
   slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
   C / median step time;
@@ -248,6 +248,8 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=600)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
+    ap.add_argument("--prefill-rows", default="16,64",
+                    help="prompt rows a prefill step, comma-separated (the runner's max_rows is the largest, at least 64)")
     args = ap.parse_args()
     result: dict = {"model": args.model}
     try:
@@ -258,7 +260,9 @@ def main() -> int:
 
     mf = ModelFile.open(args.model)
     t0 = time.perf_counter()
-    runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX, max_rows=64)
+    prefill_rows = [int(r) for r in args.prefill_rows.split(",")]
+    runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX,
+                    max_rows=max(64, *prefill_rows))
     result["load_s"] = time.perf_counter() - t0
     result["device"] = runner.device
     result["memory_plan"] = runner.memory_plan.sections
@@ -275,7 +279,7 @@ def main() -> int:
     result["prefill"] = []
     for mode in MODES:
         set_mode(runner, *mode)
-        for rows in (16, 64):
+        for rows in prefill_rows:
             runner.reset_slot(SLOTS - 1)
             prompt = rng.integers(0, mf.config.n_vocab, 2048)
             prefill(runner, SLOTS - 1, prompt[:2 * rows], rows)  # warm-up (and the graph capture)
