@@ -284,6 +284,15 @@ __host__ __device__ constexpr bool chunk_fits(int64_t units, int64_t row_bytes) 
   return Unit<T>::kChunkBytes > 0 && units % 8 == 0 && row_bytes % 16 == 0;
 }
 
+// acc + w[0] x.x + w[1] x.y + w[2] x.z + w[3] x.w as four fmaf in that order: one group of four
+// weights of a unit into a (row, column) sum.
+__device__ __forceinline__ float fma4(const float* w, float4 x, float acc) {
+  acc = fmaf(w[0], x.x, acc);
+  acc = fmaf(w[1], x.y, acc);
+  acc = fmaf(w[2], x.z, acc);
+  return fmaf(w[3], x.w, acc);
+}
+
 // A block's share: row blocks b = b0, b0 + b_step, ... below b_end, each of R * (warps / ks) rows
 // (warp w works on rows b * R * (warps / ks) + (w / ks) * R + [0, R) and k-slice w % ks), NC
 // columns. xload(c, k): the 4 activations X[c][k..k+3] (k a multiple of 4) from wherever they live
@@ -326,12 +335,7 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
       for (int c = 0; c < NC; ++c) {
         const float4 xv = xload(c, k);
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          acc[r][c] = fmaf(w[r][0], xv.x, acc[r][c]);
-          acc[r][c] = fmaf(w[r][1], xv.y, acc[r][c]);
-          acc[r][c] = fmaf(w[r][2], xv.z, acc[r][c]);
-          acc[r][c] = fmaf(w[r][3], xv.w, acc[r][c]);
-        }
+        for (int r = 0; r < R; ++r) acc[r][c] = fma4(w[r], xv, acc[r][c]);
       }
     }
   };
@@ -859,12 +863,7 @@ __device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const fl
     for (int c = 0; c < NC; ++c) {
       const float4 xv = ds4_ldg(reinterpret_cast<const float4*>(xq[c] + q4k_group_k(g)));
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        acc[r][c] = fmaf(w[r][0], xv.x, acc[r][c]);
-        acc[r][c] = fmaf(w[r][1], xv.y, acc[r][c]);
-        acc[r][c] = fmaf(w[r][2], xv.z, acc[r][c]);
-        acc[r][c] = fmaf(w[r][3], xv.w, acc[r][c]);
-      }
+      for (int r = 0; r < R; ++r) acc[r][c] = fma4(w[r], xv, acc[r][c]);
     }
   }
 }

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstring>
 #include <functional>
+#include <memory>
 #include <random>
 #include <string>
 #include <vector>
@@ -817,60 +818,72 @@ void bench_dense(const std::string& name, DType t, int64_t K, int64_t rows, doub
   }
 }
 
-// Grouped experts: n_lanes lanes x 6 routes over `experts` experts; bytes = distinct experts read.
-void bench_grouped(const std::string& name, DType t, int64_t K, int64_t rows, int experts, double copy_bw, Rng& rng,
-                   std::vector<BenchRow>& out) {
-  const int per_lane = 6, n_sets = 16;
-  WeightSet ws(t, K, rows, experts, rng);
-  for (int n_lanes : {1, 2, 4, 8, 16}) {
-    const int n_pairs = n_lanes * per_lane;
-    DeviceMem x(static_cast<size_t>(n_lanes) * K * sizeof(float)), y(static_cast<size_t>(n_pairs) * rows * sizeof(float));
+// n_sets routings of n_lanes lanes x 6 routes over `experts` experts, each planned once on the
+// device (build_expert_parts, parts of up to 8), with the lanes' activations: what a grouped
+// launch of the benches below reads. bytes: the distinct experts a routing reads, on average, plus
+// the activations and outputs.
+struct GroupedRoutings {
+  static constexpr int kPerLane = 6, kSets = 16;
+  int n_lanes, n_pairs;
+  DeviceMem x, y, xr;
+  std::vector<std::unique_ptr<DeviceMem>> keep;
+  std::vector<int32_t*> sorted, nparts;
+  std::vector<g::ExpertPart*> parts;
+  double bytes = 0.0;
+
+  GroupedRoutings(int lanes, int64_t K, int64_t rows, int experts, double expert_bytes, Rng& rng)
+      : n_lanes(lanes), n_pairs(lanes * kPerLane), x(static_cast<size_t>(lanes) * K * sizeof(float)),
+        y(static_cast<size_t>(lanes) * kPerLane * rows * sizeof(float)), xr(lanes * kPerLane * sizeof(int32_t)),
+        sorted(kSets), nparts(kSets), parts(kSets) {
     const std::vector<float> xh = random_floats(static_cast<size_t>(n_lanes) * K, rng);
     DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
-    // n_sets routings, each planned once on the device; the timed launches rotate through them.
-    std::vector<DeviceMem*> keep;
-    std::vector<int32_t*> sorted(n_sets), nparts(n_sets);
-    std::vector<g::ExpertPart*> parts(n_sets);
-    double distinct_total = 0.0;
-    DeviceMem xr(n_pairs * sizeof(int32_t));
     std::vector<int32_t> xrh(n_pairs);
-    for (int p = 0; p < n_pairs; ++p) xrh[p] = p / per_lane;
+    for (int p = 0; p < n_pairs; ++p) xrh[p] = p / kPerLane;
     DS4_GPU_CHECK(cudaMemcpy(xr.p, xrh.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
-    for (int sidx = 0; sidx < n_sets; ++sidx) {
+    double distinct_total = 0.0;
+    for (int sidx = 0; sidx < kSets; ++sidx) {
       std::vector<int32_t> pe;
       std::vector<char> seen(experts, 0);
       for (int l = 0; l < n_lanes; ++l) {
         std::vector<int> ex(experts);
         for (int e = 0; e < experts; ++e) ex[e] = e;
         std::shuffle(ex.begin(), ex.end(), rng.gen);
-        for (int j = 0; j < per_lane; ++j) {
+        for (int j = 0; j < kPerLane; ++j) {
           pe.push_back(ex[j]);
           seen[ex[j]] = 1;
         }
       }
       distinct_total += std::count(seen.begin(), seen.end(), 1);
-      auto* pe_d = new DeviceMem(n_pairs * sizeof(int32_t));
-      auto* so_d = new DeviceMem(n_pairs * sizeof(int32_t));
-      auto* pa_d = new DeviceMem(n_pairs * sizeof(g::ExpertPart));
-      auto* np_d = new DeviceMem(sizeof(int32_t));
-      keep.insert(keep.end(), {pe_d, so_d, pa_d, np_d});
+      DeviceMem* pe_d = add(n_pairs * sizeof(int32_t));
+      sorted[sidx] = add(n_pairs * sizeof(int32_t))->as<int32_t>();
+      parts[sidx] = add(n_pairs * sizeof(g::ExpertPart))->as<g::ExpertPart>();
+      nparts[sidx] = add(sizeof(int32_t))->as<int32_t>();
       DS4_GPU_CHECK(cudaMemcpy(pe_d->p, pe.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
-      g::build_expert_parts(pe_d->as<int32_t>(), n_pairs, experts, 8, so_d->as<int32_t>(), pa_d->as<g::ExpertPart>(),
-                            np_d->as<int32_t>(), nullptr);
-      sorted[sidx] = so_d->as<int32_t>();
-      parts[sidx] = pa_d->as<g::ExpertPart>();
-      nparts[sidx] = np_d->as<int32_t>();
+      g::build_expert_parts(pe_d->as<int32_t>(), n_pairs, experts, 8, sorted[sidx], parts[sidx], nparts[sidx], nullptr);
     }
     DS4_GPU_CHECK(cudaDeviceSynchronize());
-    const double s = time_launches([&](cudaStream_t st, int i) {
-      const int k = i % n_sets;
-      g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
-                        y.as<float>(), rows, st, std::min(n_lanes, 8));  // as the engine sizes it
-    }, 32, 15);
-    const double expert_bytes = static_cast<double>(ws.base.row_bytes()) * rows;
-    const double bytes = distinct_total / n_sets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
-    out.push_back({name, n_lanes, s * 1e6, bytes / s / 1e9, bytes / s / copy_bw});
-    for (auto* m : keep) delete m;
+    bytes = distinct_total / kSets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
+  }
+  DeviceMem* add(size_t n) {
+    keep.push_back(std::make_unique<DeviceMem>(n));
+    return keep.back().get();
+  }
+  // The grouped product of routing k (weights W, activations [n_lanes][K], outputs [pairs][rows]).
+  void launch(const TensorView& W, int k, int64_t K, int64_t rows, cudaStream_t st) const {
+    g::matvec_grouped(W, parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K, y.as<float>(),
+                      rows, st, std::min(n_lanes, 8));  // max_cols as the engine sizes it
+  }
+};
+
+// Grouped experts: n_lanes lanes x 6 routes over `experts` experts; bytes = distinct experts read.
+void bench_grouped(const std::string& name, DType t, int64_t K, int64_t rows, int experts, double copy_bw, Rng& rng,
+                   std::vector<BenchRow>& out) {
+  WeightSet ws(t, K, rows, experts, rng);
+  for (int n_lanes : {1, 2, 4, 8, 16}) {
+    const GroupedRoutings r(n_lanes, K, rows, experts, static_cast<double>(ws.base.row_bytes()) * rows, rng);
+    const double s = time_launches(
+        [&](cudaStream_t st, int i) { r.launch(ws.at(i), i % GroupedRoutings::kSets, K, rows, st); }, 32, 15);
+    out.push_back({name, n_lanes, s * 1e6, r.bytes / s / 1e9, r.bytes / s / copy_bw});
   }
 }
 
@@ -887,68 +900,24 @@ struct GroupedConfig {
 void bench_grouped_configs(const std::string& name, DType t, int64_t K, int64_t rows, int experts,
                            const std::vector<int>& lane_counts, const std::vector<GroupedConfig>& configs,
                            double copy_bw, Rng& rng, std::vector<BenchRow>& out, int* mismatches) {
-  const int per_lane = 6, n_sets = 16;
   WeightSet ws(t, K, rows, experts, rng);
   const int v0 = g::matvec_grouped_variant(), s0 = g::matvec_grouped_stages(), w0 = g::matvec_grouped_width();
   for (int n_lanes : lane_counts) {
-    const int n_pairs = n_lanes * per_lane;
-    DeviceMem x(static_cast<size_t>(n_lanes) * K * sizeof(float)), y(static_cast<size_t>(n_pairs) * rows * sizeof(float));
-    const std::vector<float> xh = random_floats(static_cast<size_t>(n_lanes) * K, rng);
-    DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
-    std::vector<DeviceMem*> keep;
-    std::vector<int32_t*> sorted(n_sets), nparts(n_sets);
-    std::vector<g::ExpertPart*> parts(n_sets);
-    double distinct_total = 0.0;
-    DeviceMem xr(n_pairs * sizeof(int32_t));
-    std::vector<int32_t> xrh(n_pairs);
-    for (int p = 0; p < n_pairs; ++p) xrh[p] = p / per_lane;
-    DS4_GPU_CHECK(cudaMemcpy(xr.p, xrh.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
-    for (int sidx = 0; sidx < n_sets; ++sidx) {
-      std::vector<int32_t> pe;
-      std::vector<char> seen(experts, 0);
-      for (int l = 0; l < n_lanes; ++l) {
-        std::vector<int> ex(experts);
-        for (int e = 0; e < experts; ++e) ex[e] = e;
-        std::shuffle(ex.begin(), ex.end(), rng.gen);
-        for (int j = 0; j < per_lane; ++j) {
-          pe.push_back(ex[j]);
-          seen[ex[j]] = 1;
-        }
-      }
-      distinct_total += std::count(seen.begin(), seen.end(), 1);
-      auto* pe_d = new DeviceMem(n_pairs * sizeof(int32_t));
-      auto* so_d = new DeviceMem(n_pairs * sizeof(int32_t));
-      auto* pa_d = new DeviceMem(n_pairs * sizeof(g::ExpertPart));
-      auto* np_d = new DeviceMem(sizeof(int32_t));
-      keep.insert(keep.end(), {pe_d, so_d, pa_d, np_d});
-      DS4_GPU_CHECK(cudaMemcpy(pe_d->p, pe.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
-      g::build_expert_parts(pe_d->as<int32_t>(), n_pairs, experts, 8, so_d->as<int32_t>(), pa_d->as<g::ExpertPart>(),
-                            np_d->as<int32_t>(), nullptr);
-      sorted[sidx] = so_d->as<int32_t>();
-      parts[sidx] = pa_d->as<g::ExpertPart>();
-      nparts[sidx] = np_d->as<int32_t>();
-    }
-    DS4_GPU_CHECK(cudaDeviceSynchronize());
-    const int max_cols = std::min(n_lanes, 8);  // as the engine sizes it
-    const double expert_bytes = static_cast<double>(ws.base.row_bytes()) * rows;
-    const double bytes = distinct_total / n_sets * expert_bytes + 4.0 * (n_lanes * K + n_pairs * rows);
+    const GroupedRoutings r(n_lanes, K, rows, experts, static_cast<double>(ws.base.row_bytes()) * rows, rng);
+    const size_t n_out = static_cast<size_t>(r.n_pairs) * rows;
     std::vector<float> first;
     for (size_t ci = 0; ci < configs.size(); ++ci) {
       const GroupedConfig& cf = configs[ci];
       g::set_matvec_grouped(cf.variant, cf.stages, cf.width);
-      const double sec = time_launches([&](cudaStream_t st, int i) {
-        const int k = i % n_sets;
-        g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
-                          y.as<float>(), rows, st, max_cols);
-      }, 32, 15);
-      out.push_back({name + " " + cf.label, n_lanes, sec * 1e6, bytes / sec / 1e9, bytes / sec / copy_bw});
+      const double sec = time_launches(
+          [&](cudaStream_t st, int i) { r.launch(ws.at(i), i % GroupedRoutings::kSets, K, rows, st); }, 32, 15);
+      out.push_back({name + " " + cf.label, n_lanes, sec * 1e6, r.bytes / sec / 1e9, r.bytes / sec / copy_bw});
       // The same launch once more on routing 0, then its output against the first configuration's.
-      DS4_GPU_CHECK(cudaMemset(y.p, 0xff, static_cast<size_t>(n_pairs) * rows * sizeof(float)));
-      g::matvec_grouped(ws.at(0), parts[0], nparts[0], n_pairs, sorted[0], xr.as<int32_t>(), x.as<float>(), K,
-                        y.as<float>(), rows, nullptr, max_cols);
+      DS4_GPU_CHECK(cudaMemset(r.y.p, 0xff, n_out * sizeof(float)));
+      r.launch(ws.at(0), 0, K, rows, nullptr);
       DS4_GPU_CHECK(cudaDeviceSynchronize());
-      std::vector<float> yh(static_cast<size_t>(n_pairs) * rows);
-      DS4_GPU_CHECK(cudaMemcpy(yh.data(), y.p, yh.size() * sizeof(float), cudaMemcpyDeviceToHost));
+      std::vector<float> yh(n_out);
+      DS4_GPU_CHECK(cudaMemcpy(yh.data(), r.y.p, yh.size() * sizeof(float), cudaMemcpyDeviceToHost));
       if (ci == 0) {
         first = yh;
       } else if (!bits_equal(first.data(), yh.data(), yh.size())) {
@@ -957,7 +926,6 @@ void bench_grouped_configs(const std::string& name, DType t, int64_t K, int64_t 
                     configs[0].label.c_str());
       }
     }
-    for (auto* m : keep) delete m;
   }
   g::set_matvec_grouped(v0, s0, w0);
 }
