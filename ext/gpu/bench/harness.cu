@@ -278,21 +278,34 @@ void check_staged(DType t, int64_t K, int64_t rows, const std::vector<int>& widt
   report(bad == 0 && unwritten == 0, buf);
 }
 
-// Expert-grouped product: each pair bit-identical to the single-column product of its expert.
-void check_grouped(DType t, int64_t K, int64_t rows, int n_expert, int n_lanes, int per_lane, int max_part, Rng& rng) {
-  const std::vector<uint8_t> wbytes = random_weights(t, K, rows * n_expert, rng);
-  const TensorView W = view(t, K, rows, wbytes.data(), n_expert);
-  const std::vector<float> X = random_floats(static_cast<size_t>(n_lanes) * K, rng);
-  std::vector<int32_t> pe, xr;
+// Each of n_lanes lanes routed to per_lane distinct experts of n_expert, drawn at random: the
+// pairs' experts and lanes, lane by lane. fold > 0: expert ids taken mod fold (fewer experts, so
+// parts gather several lanes).
+struct Routes {
+  std::vector<int32_t> expert, lane;
+};
+Routes random_routes(int n_lanes, int n_expert, int per_lane, int fold, Rng& rng) {
+  Routes r;
   for (int l = 0; l < n_lanes; ++l) {
     std::vector<int> ex(n_expert);
     for (int e = 0; e < n_expert; ++e) ex[e] = e;
     std::shuffle(ex.begin(), ex.end(), rng.gen);
     for (int j = 0; j < per_lane; ++j) {
-      pe.push_back(ex[j] % std::max(1, n_expert / 2));  // half the experts: parts of several lanes
-      xr.push_back(l);
+      r.expert.push_back(fold > 0 ? ex[j] % fold : ex[j]);
+      r.lane.push_back(l);
     }
   }
+  return r;
+}
+
+// Expert-grouped product: each pair bit-identical to the single-column product of its expert.
+void check_grouped(DType t, int64_t K, int64_t rows, int n_expert, int n_lanes, int per_lane, int max_part, Rng& rng) {
+  const std::vector<uint8_t> wbytes = random_weights(t, K, rows * n_expert, rng);
+  const TensorView W = view(t, K, rows, wbytes.data(), n_expert);
+  const std::vector<float> X = random_floats(static_cast<size_t>(n_lanes) * K, rng);
+  // half the experts: parts of several lanes
+  const Routes routes = random_routes(n_lanes, n_expert, per_lane, std::max(1, n_expert / 2), rng);
+  const std::vector<int32_t>&pe = routes.expert, &xr = routes.lane;
   const int n_pairs = static_cast<int>(pe.size());
   std::vector<float> y(static_cast<size_t>(n_pairs) * rows, std::nanf(""));
   g::testing::matvec_grouped(W, X.data(), n_lanes, K, pe.data(), xr.data(), n_pairs, max_part, y.data(), rows);
@@ -343,16 +356,9 @@ void check_grouped_variants(int64_t K, int64_t rows, int n_expert, int n_lanes, 
       mixed ? q4k_mixed_weights(K, rows * n_expert, rng) : random_weights(DType::Q4_K, K, rows * n_expert, rng);
   const TensorView W = view(DType::Q4_K, K, rows, wbytes.data(), n_expert);
   const std::vector<float> X = random_floats(static_cast<size_t>(n_lanes) * K, rng);
-  std::vector<int32_t> pe, xr;
-  for (int l = 0; l < n_lanes; ++l) {
-    std::vector<int> ex(n_expert);
-    for (int e = 0; e < n_expert; ++e) ex[e] = e;
-    std::shuffle(ex.begin(), ex.end(), rng.gen);
-    for (int j = 0; j < per_lane; ++j) {
-      pe.push_back(ex[j] % std::max(1, n_expert / 2));  // half the experts: parts of several lanes
-      xr.push_back(l);
-    }
-  }
+  // half the experts: parts of several lanes
+  const Routes routes = random_routes(n_lanes, n_expert, per_lane, std::max(1, n_expert / 2), rng);
+  const std::vector<int32_t>&pe = routes.expert, &xr = routes.lane;
   const int n_pairs = static_cast<int>(pe.size());
   const int v0 = g::matvec_grouped_variant(), s0 = g::matvec_grouped_stages(), w0 = g::matvec_grouped_width();
   auto run = [&](int variant, int stages, int max_cols, int width) {
@@ -842,17 +848,9 @@ struct GroupedRoutings {
     DS4_GPU_CHECK(cudaMemcpy(xr.p, xrh.data(), n_pairs * sizeof(int32_t), cudaMemcpyHostToDevice));
     double distinct_total = 0.0;
     for (int sidx = 0; sidx < kSets; ++sidx) {
-      std::vector<int32_t> pe;
+      const std::vector<int32_t> pe = random_routes(n_lanes, experts, kPerLane, 0, rng).expert;
       std::vector<char> seen(experts, 0);
-      for (int l = 0; l < n_lanes; ++l) {
-        std::vector<int> ex(experts);
-        for (int e = 0; e < experts; ++e) ex[e] = e;
-        std::shuffle(ex.begin(), ex.end(), rng.gen);
-        for (int j = 0; j < kPerLane; ++j) {
-          pe.push_back(ex[j]);
-          seen[ex[j]] = 1;
-        }
-      }
+      for (int32_t e : pe) seen[e] = 1;
       distinct_total += std::count(seen.begin(), seen.end(), 1);
       DeviceMem* pe_d = add(n_pairs * sizeof(int32_t));
       sorted[sidx] = add(n_pairs * sizeof(int32_t))->as<int32_t>();
