@@ -45,6 +45,13 @@ def test_greedy_takes_lowest_id_on_ties_and_leaves_rng_alone():
     assert probabilities(logits, SamplerConfig()).tolist() == [0.0, 1.0, 0.0, 0.0]
 
 
+def test_argmax_only_means_greedy_without_penalties():
+    assert SamplerConfig(temperature=0).argmax_only
+    assert not SamplerConfig(temperature=0.7).argmax_only
+    assert not SamplerConfig(temperature=0, repetition_penalty=1.3).argmax_only
+    assert SamplerConfig(temperature=0, repetition_penalty=1.3, penalty_last_n=0).argmax_only  # penalties off
+
+
 def test_greedy_applies_penalties_first():
     logits = np.array([3.0, 2.9, 0.0], dtype=np.float32)
     cfg = SamplerConfig(presence_penalty=0.5)

@@ -86,6 +86,12 @@ class SamplerConfig:
         return self.penalty_last_n != 0 and (
             self.repetition_penalty != 1 or self.presence_penalty != 0 or self.frequency_penalty != 0)
 
+    @property
+    def argmax_only(self) -> bool:
+        """True when the token is the raw logits' argmax: greedy with no penalty (for float32
+        logits ``apply_penalties`` is then an exact copy)."""
+        return self.temperature == 0 and not self.uses_penalties
+
 
 def apply_penalties(logits: np.ndarray, cfg: SamplerConfig, history: Sequence[int]) -> np.ndarray:
     """Return a float32 copy of ``logits`` with the repetition, presence and frequency penalties.
@@ -203,7 +209,7 @@ def sample_rows(logits: np.ndarray, cfgs: Sequence[SamplerConfig], rngs: Sequenc
     n = len(cfgs)
     if not (len(rngs) == len(histories) == n) or logits.ndim != 2 or logits.shape[0] != n:
         raise ValueError(f"sample_rows: {n} configs for logits of shape {logits.shape}")
-    plain = [i for i, c in enumerate(cfgs) if c.temperature == 0 and not c.uses_penalties]
+    plain = [i for i, c in enumerate(cfgs) if c.argmax_only]
     if not plain or logits.dtype != np.float32 or logits.shape[1] == 0:
         return [sample(logits[i], cfgs[i], rngs[i], histories[i]) for i in range(n)]
     if len(plain) == n:

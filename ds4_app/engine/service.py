@@ -368,7 +368,7 @@ class EngineService:
         ran = [get_slot(slot) for slot in logit_slots]
         # All plain greedy (temperature 0, no penalty): the runner's argmax is sample_rows' token
         # (np.argmax's rule), and a GPU backend then copies tokens back instead of logits.
-        greedy = all(s.sampler.temperature == 0 and not s.sampler.uses_penalties for s in ran)
+        greedy = all(s.sampler.argmax_only for s in ran)
         self._wake_consumers()
         try:
             if greedy:
