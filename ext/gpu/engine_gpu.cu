@@ -201,6 +201,13 @@ struct GpuEngine::Impl {
   }
   void download_logits(float* out, uint64_t bytes);
   void download_argmax(int32_t* out);
+  // logits_host holds at least `bytes` (grown after the stream is idle: the old buffer may still
+  // be a copy's target).
+  void reserve_host(uint64_t bytes) {
+    if (logits_host.size() >= bytes) return;
+    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+    logits_host = PinnedMemory(bytes);
+  }
   void hc_pre_site(const HcWeights& w, const float* norm);
   void attention_layer(int l);
   void ffn_layer(int l);
@@ -725,10 +732,7 @@ void GpuEngine::Impl::download_argmax(int32_t* out) {
   const int n_out = static_cast<int>(logit_lanes.size());
   if (n_out > 0) {
     const uint64_t bytes = 4ull * n_out;
-    if (logits_host.size() < bytes) {
-      DS4_GPU_CHECK(cudaStreamSynchronize(stream));
-      logits_host = PinnedMemory(bytes);
-    }
+    reserve_host(bytes);
     argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, stream);
     DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes(), argmax_tokens, bytes, cudaMemcpyDeviceToHost, stream));
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
@@ -745,10 +749,7 @@ void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
     return;
   }
-  if (logits_host.size() < bytes) {
-    DS4_GPU_CHECK(cudaStreamSynchronize(stream));  // the old buffer may still be a copy's target
-    logits_host = PinnedMemory(bytes);
-  }
+  reserve_host(bytes);
   const uint64_t n_pieces = (bytes + kLogitsPiece - 1) / kLogitsPiece;
   while (piece_done.size() < n_pieces) {
     cudaEvent_t e = nullptr;
