@@ -102,6 +102,10 @@ struct Engine::Impl {
   // rope_as_prev[l]: layer l's RoPE frequencies are layer l-1's, so the lanes' tables in sc.rope
   // (computed for this step's positions at layer l-1) serve it unchanged.
   std::vector<char> rope_as_prev = std::vector<char>(cfg.n_layer, 0);
+  // x_ss[i]: the sum of squares of lane i's mHC state as the last hc_post left it (hc_pre and
+  // hc_head read it instead of summing again); valid from the first hc_post of the step on.
+  std::vector<double> x_ss = std::vector<double>(opts.max_rows, 0.0);
+  bool x_ss_valid = false;
   int n_groups = 0;
   MoeLists moe_lists;
   // Independent products of one batched hand-off (matmul_batch), filled by add_job.
@@ -136,6 +140,7 @@ struct Engine::Impl {
     n_jobs = 0;
   }
   void hc_pre(const HcWeights& hw, const float* norm);
+  void hc_post();
   void attention_layer(int l);
   void attend_slot(int l, int g, bool parallel_heads);
   void ffn_layer(int l);
@@ -180,10 +185,19 @@ void Engine::Impl::hc_pre(const HcWeights& hw, const float* norm) {
   const int64_t sinkhorn_work = static_cast<int64_t>(cfg.hc_sinkhorn_iters) * 4 * cfg.hc_mult * cfg.hc_mult;
   per_lane(3 * hcd + sinkhorn_work, [&](int i) {
     float* u = sc.u + i * d;
-    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, sc.hc_mix + i * mix, u, sc.hc_post + i * cfg.hc_mult,
+    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, x_ss_valid ? &x_ss[i] : nullptr, sc.hc_mix + i * mix, u, sc.hc_post + i * cfg.hc_mult,
                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
     rms_norm(u, norm, u, d, cfg.norm_eps);
   });
+}
+
+// mHC post of every lane (the sub-layer's output in sc.y), keeping each new state's sum of squares.
+void Engine::Impl::hc_post() {
+  const int64_t d = cfg.n_embd, hc = cfg.hc_mult;
+  per_lane(hc * (hc + 1) * d, [&](int i) {
+    x_ss[i] = hc_post_lane(hcs, sc.x_hc + i * hc * d, sc.y + i * d, sc.hc_post + i * hc, sc.hc_comb + i * hc * hc);
+  });
+  x_ss_valid = true;
 }
 
 void Engine::Impl::attention_layer(int l) {
@@ -279,10 +293,7 @@ void Engine::Impl::attention_layer(int l) {
   }
   run_jobs();
   matmul(L.wo_b, sc.o_low, n, G * ol, sc.y, d, pool);
-  per_lane(cfg.hc_mult * (cfg.hc_mult + 1) * d, [&](int i) {
-    hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
-                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
-  });
+  hc_post();
 }
 
 void Engine::Impl::attend_slot(int l, int g, bool parallel_heads) {
@@ -371,10 +382,7 @@ void Engine::Impl::ffn_layer(int l) {
   const int64_t d = cfg.n_embd;
   hc_pre(L.hc_ffn, L.ffn_norm);
   moe_forward(cfg, L, l, n, tok, sc, moe_lists, pool);
-  per_lane(cfg.hc_mult * (cfg.hc_mult + 1) * d, [&](int i) {
-    hc_post_lane(hcs, sc.x_hc + i * cfg.hc_mult * d, sc.y + i * d, sc.hc_post + i * cfg.hc_mult,
-                 sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
-  });
+  hc_post();
 }
 
 void Engine::Impl::head(const int32_t* lane_logits, float* logits_out) {
@@ -388,7 +396,7 @@ void Engine::Impl::head(const int32_t* lane_logits, float* logits_out) {
     for (int64_t j = b; j < e; ++j) {
       const int i = logit_lanes[j];
       float* h = sc.head_in + j * d;
-      hc_head_lane(hcs, w.hc_head, sc.x_hc + i * hcd, sc.hc_mix + i * mix, h);
+      hc_head_lane(hcs, w.hc_head, sc.x_hc + i * hcd, x_ss_valid ? &x_ss[i] : nullptr, sc.hc_mix + i * mix, h);
       rms_norm(h, w.output_norm, h, d, cfg.norm_eps);
     }
   });
@@ -412,6 +420,7 @@ void Engine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_tok
   m.pos = lane_pos;
   m.slot_of = lane_slot;
   m.check_pages();
+  m.x_ss_valid = false;  // until the first hc_post
   m.embed();
   for (int l = 0; l < m.cfg.n_layer; ++l) {
     m.attention_layer(l);

@@ -18,14 +18,16 @@ struct HcShape {
 };
 
 // hc_pre (spec §3.1) from raw = fn · x̂ (unnormalized): u = Σ_i pre_i·X[i], and post, comb
-// (comb row-major [j][k]) for hc_post.
-void hc_pre_lane(const HcShape& s, const HcWeights& w, const float* x, const float* raw, float* u, float* post,
-                 float* comb);
+// (comb row-major [j][k]) for hc_post. ss: the state's sum of squares as hc_post_lane returned
+// it, or nullptr to sum it here (the same value either way).
+void hc_pre_lane(const HcShape& s, const HcWeights& w, const float* x, const double* ss, const float* raw, float* u,
+                 float* post, float* comb);
 
 // hc_post (spec §3.2) in place: X[k] ← post_k·y + Σ_j comb[j][k]·X[j] (column k of comb).
-void hc_post_lane(const HcShape& s, float* x, const float* y, const float* post, const float* comb);
+// Returns the new state's sum of squares (sum_squares over hc·d, the same bits).
+double hc_post_lane(const HcShape& s, float* x, const float* y, const float* post, const float* comb);
 
 // hc_head (spec §3.3) from raw = hc_head_fn · x̂: h = Σ_i (σ(scale·ρ·raw_i + base_i) + eps)·X[i].
-void hc_head_lane(const HcShape& s, const HcWeights& w, const float* x, const float* raw, float* h);
+void hc_head_lane(const HcShape& s, const HcWeights& w, const float* x, const double* ss, const float* raw, float* h);
 
 }  // namespace ds4
