@@ -396,7 +396,11 @@ DS4_AVX512 inline void decode32_z(const uint8_t* row, int64_t s, __m512 w[2]) {
     }
   } else if constexpr (DT == DType::Q8_0) {
     const uint8_t* b = row + 34 * s;
-    const __m512 d = _mm512_set1_ps(half_scalar(load_u16(b)));
+    // half_scalar's value, broadcast as 16 bits and then converted (vpbroadcastw + vcvtph2ps,
+    // two instructions where set1_ps(half_scalar()) takes three): 256x256, 5-8% faster at 1-8
+    // columns. (The same in the 256-bit decode32 measured 2-6% slower; unrolling two blocks an
+    // iteration, no faster.)
+    const __m512 d = _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(load_u16(b))));
     for (int i = 0; i < 2; ++i)
       w[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(b + 2 + 16 * i)))), d);
   } else if constexpr (DT == DType::MXFP4) {
