@@ -15,6 +15,7 @@
 #include <vector>
 
 #include "dispatch.h"
+#include "expf_exact.h"
 
 #define DS4_AVX2 __attribute__((target("avx2,fma,f16c")))
 
@@ -65,12 +66,19 @@ struct Portable {
   static void axpy(float p, const float* k, float* o, int n) {
     for (int e = 0; e < n; ++e) o[e] += p * k[e];
   }
+  static void exp_minus(float* l, int n, float mx) { ds4::exp_minus(l, n, mx); }
 };
 
 struct Avx2 {
   static float dot(const float* a, const float* b, int n) { return dot_avx2(a, b, n); }
   static void f16_row(const uint16_t* x, float* y, int n) { f16_row_avx2(x, y, n); }
   static void axpy(float p, const float* k, float* o, int n) { axpy_avx2(p, k, o, n); }
+  static void exp_minus(float* l, int n, float mx) {
+    if (cpu::avx512_enabled())
+      exp_minus_avx512(l, n, mx);
+    else
+      exp_minus_avx2(l, n, mx);
+  }
 };
 
 template <class K>
@@ -87,11 +95,10 @@ void attend_heads_impl(const LaneKeys& keys, const float* q, const float* sinks,
     float* l = logits + h * stride;
     float mx = sinks[h];
     for (int i = 0; i < n; ++i) mx = std::max(mx, l[i]);
-    float den = std::exp(sinks[h] - mx);
-    for (int i = 0; i < n; ++i) {
-      l[i] = std::exp(l[i] - mx);
-      den += l[i];
-    }
+    // The exps vectorized (glibc's expf bits, expf_exact.h), then den summed in key order.
+    float den = exp_exact(sinks[h] - mx);
+    K::exp_minus(l, n, mx);
+    for (int i = 0; i < n; ++i) den += l[i];
     const float inv = 1.0f / den;
     for (int i = 0; i < n; ++i) l[i] *= inv;
     float* o = out + static_cast<int64_t>(h) * head_dim;
@@ -269,11 +276,9 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
     float* l = logits + h * stride;
     float mx = sinks[h];
     for (int i = 0; i < n; ++i) mx = std::max(mx, l[i]);
-    float den = std::exp(sinks[h] - mx);
-    for (int i = 0; i < n; ++i) {
-      l[i] = std::exp(l[i] - mx);
-      den += l[i];
-    }
+    float den = exp_exact(sinks[h] - mx);
+    Avx2::exp_minus(l, n, mx);
+    for (int i = 0; i < n; ++i) den += l[i];
     const float inv = 1.0f / den;
     for (int i = 0; i < n; ++i) l[i] *= inv;
   }

@@ -1,10 +1,14 @@
 // MoE FFN with grouped experts (spec §5).
 #include "moe.h"
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
 
+#include "dispatch.h"
+#include "expf_exact.h"
 #include "ops.h"
 
 namespace ds4 {
@@ -48,8 +52,46 @@ void route_lane(const ModelConfig& cfg, const LayerWeights& L, bool hash, int32_
   for (int k = 0; k < K; ++k) weights[k] = weights[k] / den * cfg.expert_weights_scale;
 }
 
-void swiglu(float* g, const float* u, int64_t n, float limit) {
-  for (int64_t i = 0; i < n; ++i) {
+// swiglu's AVX2 and AVX-512 twins, 8 or 16 elements at a time: per element the scalar loop's
+// clamps (min/max with its operand order, so NaNs and signed zeros come out alike), exp (glibc's
+// bits, expf_exact.h), 1 + e, division and product; the same bits. They return the elements done.
+DS4_EXPF_AVX2 static int64_t swiglu_avx2(float* g, const float* u, int64_t n, float limit) {
+  const __m256 one = _mm256_set1_ps(1.0f), lim = _mm256_set1_ps(limit), nlim = _mm256_set1_ps(-limit);
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    __m256 gv = _mm256_loadu_ps(g + i), uv = _mm256_loadu_ps(u + i);
+    if (limit > 0.0f) {
+      gv = _mm256_min_ps(lim, gv);  // lim < gv ? lim : gv, std::min(gv, limit)
+      uv = _mm256_min_ps(lim, _mm256_max_ps(nlim, uv));
+    }
+    const __m256 e = exp_exact_avx2(_mm256_xor_ps(gv, sign));
+    _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(gv, _mm256_add_ps(one, e)), uv));
+  }
+  return i;
+}
+
+DS4_EXPF_AVX512 static int64_t swiglu_avx512(float* g, const float* u, int64_t n, float limit) {
+  const __m512 one = _mm512_set1_ps(1.0f), lim = _mm512_set1_ps(limit), nlim = _mm512_set1_ps(-limit);
+  const __m512 sign = _mm512_set1_ps(-0.0f);
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 k = n - i >= 16 ? __mmask16(0xffff) : static_cast<__mmask16>((1u << (n - i)) - 1);
+    __m512 gv = _mm512_maskz_loadu_ps(k, g + i), uv = _mm512_maskz_loadu_ps(k, u + i);
+    if (limit > 0.0f) {
+      gv = _mm512_min_ps(lim, gv);
+      uv = _mm512_min_ps(lim, _mm512_max_ps(nlim, uv));
+    }
+    const __m512 e = exp_exact_avx512(_mm512_xor_ps(gv, sign));
+    _mm512_mask_storeu_ps(g + i, k, _mm512_mul_ps(_mm512_div_ps(gv, _mm512_add_ps(one, e)), uv));
+  }
+  return n;
+}
+
+// swiglu on an explicit path (0 portable, 1 AVX2, 2 AVX-512; the caller checks the CPU). Not in
+// moe.h: only swiglu and the tests (ext/python/_native.pyx, _t_swiglu) call it.
+void swiglu_on(int path, float* g, const float* u, int64_t n, float limit) {
+  int64_t i = path == 2 ? swiglu_avx512(g, u, n, limit) : path == 1 ? swiglu_avx2(g, u, n, limit) : 0;
+  for (; i < n; ++i) {
     float gv = g[i], uv = u[i];
     if (limit > 0.0f) {
       gv = std::min(gv, limit);
@@ -57,6 +99,10 @@ void swiglu(float* g, const float* u, int64_t n, float limit) {
     }
     g[i] = siluf(gv) * uv;
   }
+}
+
+void swiglu(float* g, const float* u, int64_t n, float limit) {
+  swiglu_on(use_avx2() ? (cpu::avx512_enabled() ? 2 : 1) : 0, g, u, n, limit);
 }
 
 MoeLists::MoeLists(const ModelConfig& cfg, int max_rows)

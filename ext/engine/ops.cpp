@@ -320,15 +320,22 @@ void sinkhorn(float* c, int n, int iters, float eps) {
       for (int j = 0; j < n; ++j) c[j * n + k] /= d;
     }
   };
+  // Row softmax: each row minus its max, then the exps of the whole matrix at once (n = 4: two
+  // AVX2 registers; x - 0 is x, so the exps are those of row[k] - mx), then the row sums in order.
   for (int j = 0; j < n; ++j) {
     float* row = c + j * n;
     float mx = row[0];
     for (int k = 1; k < n; ++k) mx = std::max(mx, row[k]);
+    for (int k = 0; k < n; ++k) row[k] -= mx;
+  }
+  if (use_avx2())
+    exp_minus_avx2(c, static_cast<int64_t>(n) * n, 0.0f);
+  else
+    exp_minus(c, static_cast<int64_t>(n) * n, 0.0f);
+  for (int j = 0; j < n; ++j) {
+    float* row = c + j * n;
     float sum = 0.0f;
-    for (int k = 0; k < n; ++k) {
-      row[k] = std::exp(row[k] - mx);
-      sum += row[k];
-    }
+    for (int k = 0; k < n; ++k) sum += row[k];
     for (int k = 0; k < n; ++k) row[k] = row[k] / sum + eps;
   }
   if (n == 4 && iters >= 1 && use_avx2()) {

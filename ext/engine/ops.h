@@ -9,6 +9,8 @@
 #include <cmath>
 #include <cstdint>
 
+#include "../cpu/expf_exact.h"  // by path: tests/test_native_engine.py builds ops.cpp alone
+
 namespace ds4 {
 
 // Stack-array bounds for per-lane temporaries; the engine checks the config against them.
@@ -66,13 +68,15 @@ void fp4_round_trip(float* x, int64_t n);
 // row softmax, + eps, column normalize, then (iters - 1) x (row normalize, column normalize).
 void sinkhorn(float* c, int n, int iters, float eps);
 
-inline float sigmoidf(float x) { return 1.0f / (1.0f + std::exp(-x)); }
-inline float siluf(float x) { return x / (1.0f + std::exp(-x)); }
+// exp is exp_exact (glibc's expf bits from our own code, ext/cpu/expf_exact.h), which the SIMD
+// twins of the loops that use these also compute.
+inline float sigmoidf(float x) { return 1.0f / (1.0f + exp_exact(-x)); }
+inline float siluf(float x) { return x / (1.0f + exp_exact(-x)); }
 // Stable softplus as DS4 computes it: x above 20, exp(x) below -20, log1p(exp(x)) between.
 inline float softplusf(float x) {
   if (x > 20.0f) return x;
-  if (x < -20.0f) return std::exp(x);
-  return std::log1p(std::exp(x));
+  if (x < -20.0f) return exp_exact(x);
+  return std::log1p(exp_exact(x));
 }
 
 // 2^ceil(log2(r)) for r > 0, exactly (no log2 rounding near powers of two).

@@ -521,6 +521,94 @@ def _t_indexer_topk(scores, int64_t k):
     return sel
 
 
+cdef extern from *:
+    """
+    #include <algorithm>
+    #include "expf_exact.h"
+    #include "moe.h"
+    namespace ds4 {
+    // Defined in ext/engine/moe.cpp beside swiglu (not in moe.h: only swiglu and this hook call it).
+    void swiglu_on(int path, float* g, const float* u, int64_t n, float limit);
+    }
+
+    // Testing hooks: the exp of ext/cpu/expf_exact.h (path 0: exp_exact per element; 1 and 2:
+    // the AVX2 and AVX-512 array forms the engine's softmaxes call, with m = 0) and swiglu on a
+    // path (-1: swiglu itself, with the process's dispatch).
+    static void ds4_testing_expf(int path, const float* x, float* y, int64_t n) {
+      if (path == 0) {
+        for (int64_t i = 0; i < n; ++i) y[i] = ds4::exp_exact(x[i]);
+        return;
+      }
+      std::copy(x, x + n, y);
+      if (path == 2) ds4::exp_minus_avx512(y, n, 0.0f);
+      else ds4::exp_minus_avx2(y, n, 0.0f);
+    }
+    static void ds4_testing_swiglu(int path, float* g, const float* u, int64_t n, float limit) {
+      if (path < 0) ds4::swiglu(g, u, n, limit);
+      else ds4::swiglu_on(path, g, u, n, limit);
+    }
+    static bool ds4_testing_cpu_has(int path) {
+      __builtin_cpu_init();
+      const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                        __builtin_cpu_supports("f16c");
+      if (path == 1) return avx2;
+      if (path == 2)
+        return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+               __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
+      return true;
+    }
+    """
+    void ds4_testing_expf(int path, const float* x, float* y, int64_t n) nogil
+    void ds4_testing_swiglu(int path, float* g, const float* u, int64_t n, float limit) nogil
+    bint ds4_testing_cpu_has(int path) nogil
+
+
+_EXP_PATHS = {"scalar": 0, "avx2": 1, "avx512": 2}
+
+
+cdef int _exp_path(path) except -1:
+    if path not in _EXP_PATHS:
+        raise ValueError(f"unknown exp path {path!r}: expected 'scalar', 'avx2' or 'avx512'")
+    cdef int p = _EXP_PATHS[path]
+    if not ds4_testing_cpu_has(p):
+        raise ValueError(f"this CPU cannot run the {path} path")
+    return p
+
+
+def _t_expf_paths():
+    """The paths of _t_expf and _t_swiglu this CPU runs, of 'scalar', 'avx2', 'avx512'."""
+    return tuple(name for name, p in _EXP_PATHS.items() if ds4_testing_cpu_has(p))
+
+
+def _t_expf(x, path="scalar"):
+    """exp of a float32 array by ext/cpu/expf_exact.h on a path: glibc's expf bits, elementwise."""
+    cdef int p = _exp_path(path)
+    cdef const float[::1] xv = np.ascontiguousarray(x, dtype=np.float32).reshape(-1)
+    out = np.empty(xv.shape[0], dtype=np.float32)
+    cdef float[::1] yv = out
+    cdef int64_t n = xv.shape[0]
+    if n:
+        with nogil:
+            ds4_testing_expf(p, &xv[0], &yv[0], n)
+    return out
+
+
+def _t_swiglu(g, u, float limit, path=None):
+    """The MoE's swiglu (ext/engine/moe.cpp) on copies of g and u: returns the new g. path None:
+    the process's dispatch, as the engine calls it; else 'scalar', 'avx2' or 'avx512'."""
+    cdef int p = -1 if path is None else _exp_path(path)
+    out = np.array(g, dtype=np.float32, copy=True).reshape(-1)
+    cdef const float[::1] uv = np.ascontiguousarray(u, dtype=np.float32).reshape(-1)
+    cdef float[::1] gv = out
+    cdef int64_t n = gv.shape[0]
+    if uv.shape[0] != n:
+        raise ValueError("g and u must have the same number of elements")
+    if n:
+        with nogil:
+            ds4_testing_swiglu(p, &gv[0], &uv[0], n, limit)
+    return out
+
+
 include "../gpu/binding_hooks.pxi"
 include "../gpu/engine_binding.pxi"
 
@@ -535,5 +623,8 @@ _testing = types.SimpleNamespace(
     pool_throw=_t_pool_throw,
     indexer_topk=_t_indexer_topk,
     export_slot_state=_t_export_slot_state,
+    expf=_t_expf,
+    expf_paths=_t_expf_paths,
+    swiglu=_t_swiglu,
 )
 vars(_testing).update(_GPU_TESTING)
