@@ -228,27 +228,73 @@ DS4_AVX512 void group_outputs_z(const uint16_t* const* rows, int n, const float*
                                 int head_dim, float* out) {
   const float* ph[H];
   for (int h = 0; h < H; ++h) ph[h] = logits + (hg + h) * stride;
-  for (int e = 0; e < head_dim; e += 32) {
-    __m512 o[H][2];
-    for (int h = 0; h < H; ++h) o[h][0] = o[h][1] = _mm512_setzero_ps();
+  // E registers of 16 elements per head a pass over the keys: 16 accumulators whatever H, so a
+  // few heads still keep 16 add chains in flight (each chain, one output element's sum over the
+  // keys, is the same sequence of adds).
+  constexpr int E = 16 / H;
+  int e = 0;
+  for (; e + 16 * E <= head_dim; e += 16 * E) {
+    __m512 o[H][E];
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < E; ++r) o[h][r] = _mm512_setzero_ps();
     for (int i = 0; i < n; ++i) {
-      const __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e)));
-      const __m512 k1 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e + 16)));
+      __m512 k[E];
+      for (int r = 0; r < E; ++r)
+        k[r] = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e + 16 * r)));
       for (int h = 0; h < H; ++h) {
         const __m512 pv = _mm512_set1_ps(ph[h][i]);
-        o[h][0] = _mm512_add_ps(o[h][0], _mm512_mul_ps(pv, k0));
-        o[h][1] = _mm512_add_ps(o[h][1], _mm512_mul_ps(pv, k1));
+        for (int r = 0; r < E; ++r) o[h][r] = _mm512_add_ps(o[h][r], _mm512_mul_ps(pv, k[r]));
       }
     }
-    for (int h = 0; h < H; ++h) {
-      float* oh = out + static_cast<int64_t>(hg + h) * head_dim + e;
-      _mm512_storeu_ps(oh, o[h][0]);
-      _mm512_storeu_ps(oh + 16, o[h][1]);
+    for (int h = 0; h < H; ++h)
+      for (int r = 0; r < E; ++r) _mm512_storeu_ps(out + static_cast<int64_t>(hg + h) * head_dim + e + 16 * r, o[h][r]);
+  }
+  for (; e < head_dim; e += 16) {  // what is left in single registers (head_dim is a multiple of 32)
+    __m512 o[H];
+    for (int h = 0; h < H; ++h) o[h] = _mm512_setzero_ps();
+    for (int i = 0; i < n; ++i) {
+      const __m512 k0 = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[i] + e)));
+      for (int h = 0; h < H; ++h) o[h] = _mm512_add_ps(o[h], _mm512_mul_ps(_mm512_set1_ps(ph[h][i]), k0));
     }
+    for (int h = 0; h < H; ++h) _mm512_storeu_ps(out + static_cast<int64_t>(hg + h) * head_dim + e, o[h]);
   }
 }
 
 #pragma GCC diagnostic pop
+
+// The sink softmax of heads [h0, h1) over n logits each, in place: the bits of the per-head loop
+// in attend_heads_impl (max from the sink, exps, den summed from the sink's exp in key order, one
+// reciprocal), with the heads' den chains side by side and the max taken 8 lanes at a time (a max
+// does not depend on order; lanes keep std::max's rule that a NaN logit is skipped and a NaN
+// sink sticks, and the sign of a zero max cannot change l - max's exp).
+DS4_AVX2 void softmax_heads(float* logits, int64_t stride, const float* sinks, int n, int h0, int h1) {
+  for (int hb = h0; hb < h1; hb += 4) {
+    const int H = std::min(4, h1 - hb);
+    float den[4];
+    for (int h = 0; h < H; ++h) {
+      float* l = logits + (hb + h) * stride;
+      __m256 m8 = _mm256_set1_ps(sinks[hb + h]);
+      int i = 0;
+      for (; i + 8 <= n; i += 8) m8 = _mm256_max_ps(_mm256_loadu_ps(l + i), m8);  // (l > m) ? l : m
+      alignas(32) float lanes[8];
+      _mm256_store_ps(lanes, m8);
+      float mx = lanes[0];
+      for (int k = 1; k < 8; ++k) mx = std::max(mx, lanes[k]);
+      for (; i < n; ++i) mx = std::max(mx, l[i]);
+      den[h] = exp_exact(sinks[hb + h] - mx);
+      Avx2::exp_minus(l, n, mx);
+    }
+    for (int i = 0; i < n; ++i)
+      for (int h = 0; h < H; ++h) den[h] += logits[(hb + h) * stride + i];
+    for (int h = 0; h < H; ++h) {
+      float* l = logits + (hb + h) * stride;
+      const __m256 inv = _mm256_set1_ps(1.0f / den[h]);
+      int i = 0;
+      for (; i + 8 <= n; i += 8) _mm256_storeu_ps(l + i, _mm256_mul_ps(_mm256_loadu_ps(l + i), inv));
+      for (; i < n; ++i) l[i] *= 1.0f / den[h];
+    }
+  }
+}
 
 DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const float* sinks, int head_dim,
                                    int rope_dim, const RopeTable& rope_t, float* logits, int64_t stride, float* out,
@@ -272,16 +318,7 @@ DS4_AVX2 void attend_heads_grouped(const LaneKeys& keys, const float* q, const f
       default: group_logits<1>(rows, n, q, hg, head_dim, scale, logits, stride); break;
     }
   }
-  for (int h = h0; h < h1; ++h) {
-    float* l = logits + h * stride;
-    float mx = sinks[h];
-    for (int i = 0; i < n; ++i) mx = std::max(mx, l[i]);
-    float den = exp_exact(sinks[h] - mx);
-    Avx2::exp_minus(l, n, mx);
-    for (int i = 0; i < n; ++i) den += l[i];
-    const float inv = 1.0f / den;
-    for (int i = 0; i < n; ++i) l[i] *= inv;
-  }
+  softmax_heads(logits, stride, sinks, n, h0, h1);
   for (int hg = h0; hg < h1; hg += 4) {
     switch (std::min(4, h1 - hg) + (z ? 4 : 0)) {
       case 8: group_outputs_z<4>(rows, n, logits, stride, hg, head_dim, out); break;
