@@ -26,31 +26,44 @@ inline const float* cand_row(const float* base, int r, int m, int w, int c, bool
 }
 
 DS4_POOL_AVX2 int pool_channels_avx2(const CompressorState& st, int m, int c, int n_cand, bool overlap, float* out) {
+  auto score = [&](int r, int ch) DS4_POOL_AVX2 {
+    return _mm256_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch);
+  };
+  auto kv = [&](int r, int ch) DS4_POOL_AVX2 {
+    return _mm256_loadu_ps(cand_row(st.kv, r, m, st.width, c, overlap) + ch);
+  };
   int ch = 0;
   for (; ch + 8 <= c; ch += 8) {
-    __m256 mx = _mm256_loadu_ps(cand_row(st.score, 0, m, st.width, c, overlap) + ch);
-    for (int r = 1; r < n_cand; ++r) mx = _mm256_max_ps(_mm256_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch), mx);
+    __m256 mx = score(0, ch);
+    for (int r = 1; r < n_cand; ++r) mx = _mm256_max_ps(score(r, ch), mx);
     __m256 den = _mm256_setzero_ps(), num = _mm256_setzero_ps();
     for (int r = 0; r < n_cand; ++r) {
-      const __m256 e = exp_exact_avx2(_mm256_sub_ps(_mm256_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch), mx));
+      const __m256 e = exp_exact_avx2(_mm256_sub_ps(score(r, ch), mx));
       den = _mm256_add_ps(den, e);
-      num = _mm256_add_ps(num, _mm256_mul_ps(e, _mm256_loadu_ps(cand_row(st.kv, r, m, st.width, c, overlap) + ch)));
+      num = _mm256_add_ps(num, _mm256_mul_ps(e, kv(r, ch)));
     }
     _mm256_storeu_ps(out + ch, _mm256_div_ps(num, den));
   }
   return ch;
 }
 
-DS4_POOL_AVX512 int pool_channels_avx512(const CompressorState& st, int m, int c, int n_cand, bool overlap, float* out) {
+DS4_POOL_AVX512 int pool_channels_avx512(const CompressorState& st, int m, int c, int n_cand, bool overlap,
+                                         float* out) {
+  auto score = [&](int r, int ch) DS4_POOL_AVX512 {
+    return _mm512_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch);
+  };
+  auto kv = [&](int r, int ch) DS4_POOL_AVX512 {
+    return _mm512_loadu_ps(cand_row(st.kv, r, m, st.width, c, overlap) + ch);
+  };
   int ch = 0;
   for (; ch + 16 <= c; ch += 16) {
-    __m512 mx = _mm512_loadu_ps(cand_row(st.score, 0, m, st.width, c, overlap) + ch);
-    for (int r = 1; r < n_cand; ++r) mx = _mm512_max_ps(_mm512_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch), mx);
+    __m512 mx = score(0, ch);
+    for (int r = 1; r < n_cand; ++r) mx = _mm512_max_ps(score(r, ch), mx);
     __m512 den = _mm512_setzero_ps(), num = _mm512_setzero_ps();
     for (int r = 0; r < n_cand; ++r) {
-      const __m512 e = exp_exact_avx512(_mm512_sub_ps(_mm512_loadu_ps(cand_row(st.score, r, m, st.width, c, overlap) + ch), mx));
+      const __m512 e = exp_exact_avx512(_mm512_sub_ps(score(r, ch), mx));
       den = _mm512_add_ps(den, e);
-      num = _mm512_add_ps(num, _mm512_mul_ps(e, _mm512_loadu_ps(cand_row(st.kv, r, m, st.width, c, overlap) + ch)));
+      num = _mm512_add_ps(num, _mm512_mul_ps(e, kv(r, ch)));
     }
     _mm512_storeu_ps(out + ch, _mm512_div_ps(num, den));
   }

@@ -185,8 +185,8 @@ void Engine::Impl::hc_pre(const HcWeights& hw, const float* norm) {
   const int64_t sinkhorn_work = static_cast<int64_t>(cfg.hc_sinkhorn_iters) * 4 * cfg.hc_mult * cfg.hc_mult;
   per_lane(3 * hcd + sinkhorn_work, [&](int i) {
     float* u = sc.u + i * d;
-    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, x_ss_valid ? &x_ss[i] : nullptr, sc.hc_mix + i * mix, u, sc.hc_post + i * cfg.hc_mult,
-                sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
+    hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, x_ss_valid ? &x_ss[i] : nullptr, sc.hc_mix + i * mix, u,
+                sc.hc_post + i * cfg.hc_mult, sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
     rms_norm(u, norm, u, d, cfg.norm_eps);
   });
 }
