@@ -190,6 +190,135 @@ def test_matmul_identical_across_thread_counts(t: int, path: str) -> None:
                 f"{NAMES[t]}/{path} trial {trial}: {threads} threads differ from 1")
 
 
+# --- Q4_K, block-scaled (the avx2 path; ext/cpu/matmul.cpp "Q4_K, block-scaled") ---------------
+
+U = 2.0 ** -24  # fp32 unit roundoff
+
+
+def _q4k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """dl = d*sc and ml = dmin*m of every sub-block of Q4_K blocks [nb, 144], as fp32 [nb, 8]."""
+    d = blocks[:, 0:2].copy().view(np.float16).astype(np.float32)
+    dmin = blocks[:, 2:4].copy().view(np.float16).astype(np.float32)
+    q = blocks[:, 4:16].astype(np.int32)
+    sc = np.concatenate([q[:, 0:4] & 63, (q[:, 8:12] & 15) | ((q[:, 0:4] >> 6) << 4)], axis=1)
+    m = np.concatenate([q[:, 4:8] & 63, (q[:, 8:12] >> 4) | ((q[:, 4:8] >> 6) << 4)], axis=1)
+    return d * sc.astype(np.float32), dmin * m.astype(np.float32)
+
+
+def _q4k_nibbles(blocks: np.ndarray) -> np.ndarray:
+    """The 4-bit quants of Q4_K blocks in element order, [nb, 256] (sub-block 2c: low nibbles of
+    bytes 32c..32c+31, 2c+1: their high nibbles)."""
+    qs = blocks[:, 16:].reshape(-1, 4, 1, 32)
+    return np.concatenate([qs & 15, qs >> 4], axis=2).reshape(-1, 256).astype(np.int32)
+
+
+def _q4k_cancelling(rng: np.random.Generator, nb: int, frac: float) -> np.ndarray:
+    """Tame Q4_K blocks in which a fraction frac of the sub-blocks has dmin*m == d*sc*q0 exactly and
+    quants q0 - 1 .. q0 + 1: weights of 0 or +-d*sc built from terms up to 15*d*sc apart."""
+    blocks = random_raw(12, nb * 256, rng, tame=True).reshape(nb, 144)
+    dd = blocks[:, 0:4].copy().view(np.float16)
+    ratio = rng.choice([1.0, 0.5, 0.25], nb)  # dmin/d, a power of two: the products are exact
+    dd[:, 1] = dd[:, 0] * ratio.astype(np.float16)
+    blocks[:, 0:4] = dd.view(np.uint8)
+    pick = rng.random((nb, 8)) < frac
+    q0 = rng.integers(1, 16, (nb, 8))
+    cap = np.floor(63 * ratio[:, None] / q0)  # the largest sc whose m = sc*q0/ratio fits 6 bits
+    sc = np.where(pick, 1 + (rng.random((nb, 8)) * cap).astype(np.int64), rng.integers(1, 64, (nb, 8)))
+    m = np.where(pick, np.round(sc * q0 / ratio[:, None]).astype(np.int64), rng.integers(0, 64, (nb, 8)))
+    packed = np.concatenate([(sc[:, :4] & 63) | ((sc[:, 4:] >> 4) << 6), (m[:, :4] & 63) | ((m[:, 4:] >> 4) << 6),
+                             (sc[:, 4:] & 15) | ((m[:, 4:] & 15) << 4)], axis=1)
+    blocks[:, 4:16] = packed.astype(np.uint8)
+    near = np.clip(q0[:, :, None] + rng.integers(-1, 2, (nb, 8, 32)), 0, 15)
+    nib = np.where(pick[:, :, None], near, _q4k_nibbles(blocks).reshape(nb, 8, 32)).reshape(nb, 4, 2, 32)
+    blocks[:, 16:] = (nib[:, :, 0] | (nib[:, :, 1] << 4)).reshape(nb, 128).astype(np.uint8)
+    return blocks.reshape(-1)
+
+
+def _fma32(a, b, c) -> np.ndarray:
+    """fp32 fma(a, b, c), one rounding: a*b is exact in float64 and TwoSum gives the error of s =
+    a*b + c, which decides the rounding only where s falls on a tie between two floats."""
+    a64, b64, c64 = (np.asarray(v, np.float32).astype(np.float64) for v in (a, b, c))
+    p = a64 * b64
+    s = p + c64
+    bv = s - p
+    e = (p - (s - bv)) + (c64 - bv)  # s + e == a*b + c exactly
+    r = s.astype(np.float32)
+    r64 = r.astype(np.float64)
+    other = np.nextafter(r, np.where(s > r64, np.inf, -np.inf).astype(np.float32))
+    tie = (s != r64) & (2 * s == r64 + other.astype(np.float64))
+    return np.where(tie & (e * (s - r64) > 0), other, r)
+
+
+def _reduce8(a: np.ndarray) -> np.ndarray:
+    u = a[..., :4] + a[..., 4:]
+    return (u[..., 0] + u[..., 2]) + (u[..., 1] + u[..., 3])
+
+
+def _q4k_block_scaled(raw: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
+    """matmul.cpp's block-scaled Q4_K product, operation for operation in fp32: [ncols, ne1]."""
+    blocks = raw.reshape(-1, 144)
+    J = ne0 // 32
+    dl, ml = (v.reshape(ne1, J) for v in _q4k_scales(blocks))
+    q = _q4k_nibbles(blocks).astype(np.float32).reshape(1, ne1, J, 32)
+    xs = x.reshape(-1, 1, J, 32)
+    p = _fma32(q[..., 16:], xs[..., 16:], q[..., :16] * xs[..., :16])  # [ncols, ne1, J, 16]
+    acc = np.zeros(p.shape[:2] + (16,), np.float32)
+    for j in range(J):
+        acc = _fma32(p[:, :, j], dl[None, :, j, None], acc)
+    s = xs[:, 0, :, :16] + xs[:, 0, :, 16:]
+    t = s[..., :8] + s[..., 8:]
+    sx = ((t[..., 0] + t[..., 1]) + (t[..., 2] + t[..., 3])) + ((t[..., 4] + t[..., 5]) + (t[..., 6] + t[..., 7]))
+    macc = np.zeros(p.shape[:2] + (8,), np.float32)
+    for b in range(J // 8):
+        macc = _fma32(ml[None, :, 8 * b : 8 * b + 8], sx[:, None, 8 * b : 8 * b + 8], macc)
+    return _reduce8(acc[..., :8] + acc[..., 8:]) - _reduce8(macc)
+
+
+@pytest.mark.skipif("avx2" not in PATHS, reason="no AVX2 on this CPU")
+@pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
+def test_q4k_avx2_path_is_the_block_scaled_arithmetic_bit_for_bit(frac: float) -> None:
+    # The 512-bit kernels where the CPU has them (the twin test ties the 256-bit ones to these),
+    # 8 columns: tiles of 8 (AVX-512) or 3 + 3 + 2.
+    rng = np.random.default_rng(8000 + int(10 * frac))
+    ne0, ne1 = 768, 29
+    raw = _q4k_cancelling(rng, ne0 * ne1 // 256, frac)
+    x = rng.standard_normal((8, ne0)).astype(np.float32)
+    y = T.matmul(12, raw, ne0, ne1, x, 1, "avx2")
+    want = _q4k_block_scaled(raw, ne0, ne1, x)
+    diff = np.argwhere(y.view(np.uint32) != want.view(np.uint32))
+    assert diff.size == 0, f"{len(diff)} results differ, first [col, row] {diff[0]}: {y[tuple(diff[0])]!r} vs {want[tuple(diff[0])]!r}"
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("frac", [0.0, 0.5, 1.0])
+def test_q4k_matmul_error_against_float64(frac: float, path: str) -> None:
+    """|y - y_exact| <= 4u (A + M) with A = sum |dl q x| and M = sum |ml x| over the row.
+
+    The block-scaled sum adds the terms dl*q*x and ml*x, never w*x = (dl*q - ml)*x, so A + M is
+    its condition number: where dl*q and ml cancel (w near 0; frac of the sub-blocks here, up to
+    all of them), the error does not shrink with sum |w x| as it does for decoded weights. The
+    worst case is (J + 6)u A + (B + 8)u M, J = ne0/32 and B = ne0/256 (30u A here: each of a lane's
+    J FMAs rounds by u of its partial sum); on random data the roundings partly cancel and the
+    worst observed is under 0.8u (A + M) on both paths. 4u leaves 5x room and fails for anything
+    that loses 3 bits: a weight, scale or sum in fp16 (2^-11), a dropped term, a wrong scale.
+    """
+    rng = np.random.default_rng(8100 + int(10 * frac))
+    ne0, ne1 = 768, 64
+    raw = _q4k_cancelling(rng, ne0 * ne1 // 256, frac)
+    blocks = raw.reshape(-1, 144)
+    dl, ml = (np.repeat(v.reshape(ne1, -1).astype(np.float64), 32, axis=1) for v in _q4k_scales(blocks))
+    q = _q4k_nibbles(blocks).reshape(ne1, ne0)
+    x = rng.standard_normal((8, ne0)).astype(np.float32)
+    ax = np.abs(x).astype(np.float64)
+    exact = x.astype(np.float64) @ (dl * q - ml).T
+    am = ax @ (dl * q).T + ax @ ml.T
+    if frac == 1.0:  # the data does cancel: terms much larger than the weights
+        assert np.median(am / (ax @ np.abs(dl * q - ml).T)) > 8
+    y = T.matmul(12, raw, ne0, ne1, x, 1, path)
+    err = np.abs(y - exact)
+    assert np.all(err <= 4 * U * am), f"worst {np.max(err / am) / U:.2f}u"
+
+
 def test_matmul_rejects_bad_shapes() -> None:
     raw = np.zeros(34 * 4, dtype=np.uint8)
     with pytest.raises(ValueError):

@@ -14,7 +14,9 @@
 // groups of kGroup elements into an L1 buffer (buffered, which owns the zero-padded tail); the two
 // are the same arithmetic, bit for bit. Where the CPU has AVX-512, the fused kernels run as
 // 512-bit twins (two registers per column's 32 lanes, up to 8 columns a tile): the same bits
-// again, 1.3-1.9x faster (see "AVX-512 twins" below).
+// again, 1.3-1.9x faster (see "AVX-512 twins" below). One exception to "decoded weights": the
+// AVX2 path multiplies Q4_K's 4-bit quants by x and applies each sub-block's scale and min to
+// the sums ("Q4_K, block-scaled" below); it too depends on nothing but the row and the column.
 //
 // Work per call: rows x cols weight elements read once; ncols x rows x cols multiply-adds.
 #include <immintrin.h>
@@ -277,9 +279,125 @@ DS4_AVX2 inline float reduce8(__m256 a) {
   return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 
+// --- Q4_K, block-scaled ----------------------------------------------------------------------
+// The AVX2 path does not decode Q4_K weights: with w = dl_j q - ml_j on sub-block j (dl_j = d*sc_j
+// and ml_j = dmin*m_j, the products quant.cpp forms), a row's dot product is
+//   sum_j dl_j * (sum_k q_k x_k) - sum_j ml_j * (sum_k x_k),
+// so each column owns 16 lanes for the first sum and 8 for the second, and per 32 elements the
+// scale is applied once instead of building 32 weights. In order, per column and row:
+//   P_j[l]  = fma(q[16+l], x[16+l], q[l] * x[l])          l = 0..15, q and x of sub-block j
+//   acc[l]  = fma(P_j[l], dl_j, acc[l])                    sub-blocks in increasing j
+//   macc[i] = fma(ml_{8b+i}, Sx_{8b+i}, macc[i])           i = 0..7, super-blocks in increasing b
+//   y       = reduce16(acc) - reduce8(macc)
+// where Sx_j is the sum of x over sub-block j in the order of subblock_sums (computed once per
+// column and call), reduce8 is reduce8 above and reduce16(a) = reduce8(a[0..7] + a[8..15]). The
+// 256- and 512-bit kernels run exactly this; the scalar path multiplies decoded weights instead
+// (a distinct computation, as for every type). Error: w is never formed, so where dl q and ml
+// cancel (w near 0) the roundings stay those of the separate terms: the error is bounded by
+// multiples of u * sum |dl q x| and u * sum |ml x|, not of u * sum |w x| (worst case (J + 6)u and
+// (B + 8)u of them for J sub-blocks and B super-blocks; under 1u of their total on random data).
+// tests/test_native_kernels.py pins the arithmetic bit for bit to a numpy model and checks the
+// error against float64. Speed, against decoded fma(dl, q, -ml) weights (matmul_rows_on,
+// L2-resident 256x256, AVX-512): 1 column 15% faster, 2 columns 5%, 3 columns 1-2% slower, 4-8
+// columns 3-10% faster; 256-bit kernels 1 column 15%, 2-8 columns 2-8% faster. Per 32 elements
+// and column it takes 3 vector operations where decoded weights take 2, so it pays where the
+// decode dominates: 4096x2048 from L3, 1-2 columns 17-20% faster, 6-8 columns 4-6% slower. The
+// engine's Q4_K products are MoE experts, mostly 1-2 columns each. One accumulator: a second
+// (odd sub-blocks) measured 12-17% slower at 6 columns; float(q) by a table lookup, no faster.
+
+// Sx_j, the sum of x over each 32-element sub-block j of a row of n32 sub-blocks (a multiple of
+// 8: Q4_K rows are whole 256s): s_i = x_i + x_{i+16}, t_i = s_i + s_{i+8} (i < 8), then
+// ((t_0 + t_1) + (t_2 + t_3)) + ((t_4 + t_5) + (t_6 + t_7)), the last by horizontal adds across
+// eight sub-blocks at once. One function for both kernel widths, so both read the same sums.
+DS4_AVX2 void subblock_sums(const float* x, int64_t n32, float* sx) {
+  for (int64_t j0 = 0; j0 < n32; j0 += 8) {
+    __m256 t[8];
+    for (int j = 0; j < 8; ++j) {
+      const float* e = x + 32 * (j0 + j);
+      t[j] = _mm256_add_ps(_mm256_add_ps(_mm256_loadu_ps(e), _mm256_loadu_ps(e + 16)),
+                           _mm256_add_ps(_mm256_loadu_ps(e + 8), _mm256_loadu_ps(e + 24)));
+    }
+    // hadd(a, b) = a0+a1, a2+a3, b0+b1, b2+b3 | a4+a5, a6+a7, b4+b5, b6+b7
+    const __m256 g0 = _mm256_hadd_ps(_mm256_hadd_ps(t[0], t[1]), _mm256_hadd_ps(t[2], t[3]));
+    const __m256 g1 = _mm256_hadd_ps(_mm256_hadd_ps(t[4], t[5]), _mm256_hadd_ps(t[6], t[7]));
+    // g0 = (t_j0..3 sums for j = 0..3 | t_j4..7 sums for j = 0..3), g1 the same for j = 4..7
+    const __m256 lo = _mm256_permute2f128_ps(g0, g1, 0x20), hi = _mm256_permute2f128_ps(g0, g1, 0x31);
+    _mm256_storeu_ps(sx + j0, _mm256_add_ps(lo, hi));
+  }
+}
+
+// subblock_sums of columns xs[0..T) into per-thread scratch (reused across calls): column t's at
+// [t * n32, (t + 1) * n32).
+const float* tile_subblock_sums(const float* const* xs, int T, int64_t n32) {
+  thread_local std::vector<float> buf;
+  buf.resize(static_cast<size_t>(T) * n32);
+  for (int t = 0; t < T; ++t) subblock_sums(xs[t], n32, buf.data() + t * n32);
+  return buf.data();
+}
+
+// The scales and mins of one Q4_K block: dl[j] = d*sc_j stored, ml_j = dmin*m_j returned.
+DS4_AVX2 inline __m256 q4k_scales(const uint8_t* blk, float dl[8]) {
+  // The 8 6-bit scales and mins unpacked together, as ggml's AVX2 dot product does.
+  constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
+  uint32_t u[4];
+  std::memcpy(u, blk + 4, 12);
+  u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
+  const uint32_t m_lo = u[1] & kmask1;
+  u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
+  u[2] = m_lo;
+  u[0] &= kmask1;  // bytes 0-7 of u: the 8 scales; bytes 8-15: the 8 mins
+  const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
+  const __m256 d = _mm256_set1_ps(half_scalar(load_u16(blk)));
+  const __m256 dmin = _mm256_set1_ps(half_scalar(load_u16(blk + 2)));
+  _mm256_storeu_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
+  return _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
+}
+
+// The block-scaled Q4_K product for columns xs[0..T), 256-bit: acc[l] as two registers (lanes
+// 0-7, 8-15). Nibble bytes 32c .. 32c + 31 hold sub-block 2c (low nibbles) and 2c + 1 (high).
+template <int T>
+DS4_AVX2 void q4k_rows_t(const TensorView& W, const float* const* xs, float* const* ys, int64_t r0, int64_t r1) {
+  const int64_t n32 = W.ne[0] / 32;
+  const int64_t row_bytes = W.row_bytes();
+  const float* sx = tile_subblock_sums(xs, T, n32);
+  const __m256i low4 = _mm256_set1_epi32(0x0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = W.data + r * row_bytes;
+    __m256 acc[T][2], macc[T];
+    for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = macc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < n32 / 8; ++b) {
+      const uint8_t* blk = row + 144 * b;
+      alignas(32) float dl[8];
+      const __m256 ml = q4k_scales(blk, dl);
+      for (int t = 0; t < T; ++t) macc[t] = _mm256_fmadd_ps(ml, _mm256_loadu_ps(sx + t * n32 + 8 * b), macc[t]);
+      const uint8_t* qs = blk + 16;
+      for (int c = 0; c < 4; ++c) {
+        __m256i v[4];  // bytes 8i .. 8i + 7 of the 32
+        for (int i = 0; i < 4; ++i)
+          v[i] = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * c + 8 * i)));
+        for (int h = 0; h < 2; ++h) {  // sub-block 2c + h
+          __m256 q[4];
+          for (int i = 0; i < 4; ++i)
+            q[i] = _mm256_cvtepi32_ps(h ? _mm256_srli_epi32(v[i], 4) : _mm256_and_si256(v[i], low4));
+          const __m256 dlj = _mm256_broadcast_ss(dl + 2 * c + h);
+          for (int t = 0; t < T; ++t) {
+            const float* x = xs[t] + 256 * b + 64 * c + 32 * h;
+            const __m256 p0 = _mm256_fmadd_ps(q[2], _mm256_loadu_ps(x + 16), _mm256_mul_ps(q[0], _mm256_loadu_ps(x)));
+            const __m256 p1 = _mm256_fmadd_ps(q[3], _mm256_loadu_ps(x + 24), _mm256_mul_ps(q[1], _mm256_loadu_ps(x + 8)));
+            acc[t][0] = _mm256_fmadd_ps(p0, dlj, acc[t][0]);
+            acc[t][1] = _mm256_fmadd_ps(p1, dlj, acc[t][1]);
+          }
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) ys[t][r] = reduce8(_mm256_add_ps(acc[t][0], acc[t][1])) - reduce8(macc[t]);
+  }
+}
+
 // Columns xs[0..T), outputs ys[t][r]: the buffered path's arithmetic, decoding in registers.
 template <DType DT, int T>
 DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* const* ys, int64_t r0, int64_t r1) {
+  static_assert(DT != DType::Q4_K, "Q4_K runs q4k_rows_t");
   const int64_t n32 = W.ne[0] / 32;
   const int64_t row_bytes = W.row_bytes();
   for (int64_t r = r0; r < r1; ++r) {
@@ -287,59 +405,12 @@ DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* c
     __m256 acc[T][4];
     for (int t = 0; t < T; ++t)
       for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_setzero_ps();
-    auto apply = [&](const __m256 w[4], int64_t s) DS4_AVX2 {
+    for (int64_t s = 0; s < n32; ++s) {
+      __m256 w[4];
+      decode32<DT>(row, s, w);
       for (int t = 0; t < T; ++t) {
         const float* x = xs[t] + 32 * s;
         for (int q = 0; q < 4; ++q) acc[t][q] = _mm256_fmadd_ps(w[q], _mm256_loadu_ps(x + 8 * q), acc[t][q]);
-      }
-    };
-    if constexpr (DT == DType::Q4_K) {
-      // Per 256-element block: the 8 scales and mins unpacked together (as ggml's AVX2 dot
-      // product does; d*sc and dmin*m are the products quant.cpp forms), then per 32 bytes of
-      // nibbles, 8 bytes at a time widened to 32-bit lanes: low nibbles (sub-block 2c) by a mask,
-      // high nibbles (2c+1) by a shift. A weight is fma(d*sc, q, -dmin*m): d*sc*q is exact in
-      // fp32 (11 + 6 + 4 significant bits), so the one rounding of the FMA is the rounding of
-      // quant.cpp's (d*sc)*q - dmin*m, and the weights are gguf's bit for bit. Each lane still
-      // takes its elements in increasing k (sub-block 2c's group q, then 2c+1's).
-      const __m256i low4 = _mm256_set1_epi32(0x0f);
-      constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-      for (int64_t b = 0; b < n32 / 8; ++b) {
-        const uint8_t* blk = row + 144 * b;
-        uint32_t u[4];
-        std::memcpy(u, blk + 4, 12);
-        u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-        const uint32_t m_lo = u[1] & kmask1;
-        u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-        u[2] = m_lo;
-        u[0] &= kmask1;  // bytes 0-7 of u: the 8 scales; bytes 8-15: the 8 mins
-        const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-        const __m256 d = _mm256_set1_ps(half_scalar(load_u16(blk)));
-        const __m256 dmin = _mm256_set1_ps(half_scalar(load_u16(blk + 2)));
-        alignas(32) float dl[8], nml[8];
-        _mm256_store_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-        const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-        _mm256_store_ps(nml, _mm256_xor_ps(ml, _mm256_set1_ps(-0.0f)));
-        const uint8_t* qs = blk + 16;
-        for (int c = 0; c < 4; ++c) {
-          const __m256 dl0 = _mm256_broadcast_ss(dl + 2 * c), dl1 = _mm256_broadcast_ss(dl + 2 * c + 1);
-          const __m256 nml0 = _mm256_broadcast_ss(nml + 2 * c), nml1 = _mm256_broadcast_ss(nml + 2 * c + 1);
-          const int64_t k_lo = 256 * b + 64 * c, k_hi = k_lo + 32;
-          for (int q = 0; q < 4; ++q) {
-            const __m256i v = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(qs + 32 * c + 8 * q)));
-            const __m256 wlo = _mm256_fmadd_ps(dl0, _mm256_cvtepi32_ps(_mm256_and_si256(v, low4)), nml0);
-            const __m256 whi = _mm256_fmadd_ps(dl1, _mm256_cvtepi32_ps(_mm256_srli_epi32(v, 4)), nml1);
-            for (int t = 0; t < T; ++t) {
-              acc[t][q] = _mm256_fmadd_ps(wlo, _mm256_loadu_ps(xs[t] + k_lo + 8 * q), acc[t][q]);
-              acc[t][q] = _mm256_fmadd_ps(whi, _mm256_loadu_ps(xs[t] + k_hi + 8 * q), acc[t][q]);
-            }
-          }
-        }
-      }
-    } else {
-      for (int64_t s = 0; s < n32; ++s) {
-        __m256 w[4];
-        decode32<DT>(row, s, w);
-        apply(w, s);
       }
     }
     for (int t = 0; t < T; ++t) ys[t][r] = reduce_regs(acc[t]);
@@ -355,8 +426,9 @@ DS4_AVX2 void fused_rows_t(const TensorView& W, const float* const* xs, float* c
 // tile. DS4_AVX512=0 keeps the 256-bit kernels (the tests compare the two). Measured on the
 // Zen 5 development machine (256x256, L2-resident, ns a call, 256-bit -> 512-bit): 1 column Q8_0
 // 2647 -> 1647, Q4_K 3291 -> 2554, MXFP4 3659 -> 2404, F16 1923 -> 1254; 6 columns Q8_0 9134 ->
-// 5872, Q4_K 11199 -> 6728, MXFP4 10259 -> 6173, BF16 7931 -> 4153. (docs/performance.md records
-// an earlier AVX-512 twin that gained only 2-5% a step; this one takes 21% off a C6 step.)
+// 5872, Q4_K 11199 -> 6728, MXFP4 10259 -> 6173, BF16 7931 -> 4153 (Q4_K then decoded weights;
+// its block-scaled kernels have the twin q4k_rows_z). (docs/performance.md records an earlier
+// AVX-512 twin that gained only 2-5% a step; this one takes 21% off a C6 step.)
 #define DS4_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx2,fma,f16c")))
 // GCC 12's AVX-512 intrinsics leave an unused merge operand undefined on purpose, which
 // -Wmaybe-uninitialized reports at every use; nothing here is uninitialized.
@@ -406,8 +478,9 @@ DS4_AVX512 inline void decode32_z(const uint8_t* row, int64_t s, __m512 w[2]) {
   } else if constexpr (DT == DType::MXFP4) {
     // The block's 16 possible weights float(value) * d in one register, looked up by code
     // (vpermps reads only an index's low 4 bits, so the low nibbles need no mask): the products
-    // the decoder forms, 4 instructions for 32 weights instead of 10. (The same lookup for Q4_K,
-    // fmaf(dl, q, -ml) for q = 0..15, measured no faster at 1 column and slower at 4.)
+    // the decoder forms, 4 instructions for 32 weights instead of 10. (The same lookup for Q4_K
+    // weights, fmaf(dl, q, -ml) for q = 0..15, measured no faster at 1 column and slower at 4,
+    // when Q4_K still decoded weights.)
     const uint8_t* b = row + 17 * s;
     const __m512 values = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(kMxfp4Values))));
     const __m512 table = _mm512_mul_ps(values, _mm512_set1_ps(e8m0_half(b[0])));
@@ -428,62 +501,70 @@ DS4_AVX512 inline float reduce_z(__m512 a0, __m512 a1) {
 
 template <DType DT, int T>
 DS4_AVX512 void z_rows_t(const TensorView& W, const float* const* xs, float* const* ys, int64_t r0, int64_t r1) {
+  static_assert(DT != DType::Q4_K, "Q4_K runs q4k_rows_z");
   const int64_t n32 = W.ne[0] / 32;
   const int64_t row_bytes = W.row_bytes();
   for (int64_t r = r0; r < r1; ++r) {
     const uint8_t* row = W.data + r * row_bytes;
     __m512 acc[T][2];
     for (int t = 0; t < T; ++t) acc[t][0] = acc[t][1] = _mm512_setzero_ps();
-    if constexpr (DT == DType::Q4_K) {
-      // fused_rows_t's Q4_K scheme, 16 nibble bytes at a time: bytes 32c + 16i .. + 15 hold
-      // elements 16i .. 16i + 15 of sub-block 2c (low nibbles) and of 2c + 1 (high nibbles);
-      // each goes into lane 16i + its index, sub-block 2c first.
-      const __m512i low4 = _mm512_set1_epi32(0x0f);
-      constexpr uint32_t kmask1 = 0x3f3f3f3f, kmask2 = 0x0f0f0f0f, kmask3 = 0x03030303;
-      for (int64_t b = 0; b < n32 / 8; ++b) {
-        const uint8_t* blk = row + 144 * b;
-        uint32_t u[4];
-        std::memcpy(u, blk + 4, 12);
-        u[3] = ((u[2] >> 4) & kmask2) | (((u[1] >> 6) & kmask3) << 4);
-        const uint32_t m_lo = u[1] & kmask1;
-        u[1] = (u[2] & kmask2) | (((u[0] >> 6) & kmask3) << 4);
-        u[2] = m_lo;
-        u[0] &= kmask1;
-        const __m128i sm = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u));
-        const __m256 d = _mm256_set1_ps(half_scalar(load_u16(blk)));
-        const __m256 dmin = _mm256_set1_ps(half_scalar(load_u16(blk + 2)));
-        alignas(32) float dl[8], nml[8];
-        _mm256_store_ps(dl, _mm256_mul_ps(d, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(sm))));
-        const __m256 ml = _mm256_mul_ps(dmin, _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(sm, 8))));
-        _mm256_store_ps(nml, _mm256_xor_ps(ml, _mm256_set1_ps(-0.0f)));
-        const uint8_t* qs = blk + 16;
-        for (int c = 0; c < 4; ++c) {
-          const __m512 dl0 = _mm512_set1_ps(dl[2 * c]), dl1 = _mm512_set1_ps(dl[2 * c + 1]);
-          const __m512 nml0 = _mm512_set1_ps(nml[2 * c]), nml1 = _mm512_set1_ps(nml[2 * c + 1]);
-          const int64_t k_lo = 256 * b + 64 * c, k_hi = k_lo + 32;
-          for (int i = 0; i < 2; ++i) {
-            const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c + 16 * i)));
-            const __m512 wlo = _mm512_fmadd_ps(dl0, _mm512_cvtepi32_ps(_mm512_and_si512(v, low4)), nml0);
-            const __m512 whi = _mm512_fmadd_ps(dl1, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), nml1);
-            for (int t = 0; t < T; ++t) {
-              acc[t][i] = _mm512_fmadd_ps(wlo, _mm512_loadu_ps(xs[t] + k_lo + 16 * i), acc[t][i]);
-              acc[t][i] = _mm512_fmadd_ps(whi, _mm512_loadu_ps(xs[t] + k_hi + 16 * i), acc[t][i]);
-            }
-          }
-        }
-      }
-    } else {
-      for (int64_t s = 0; s < n32; ++s) {
-        __m512 w[2];
-        decode32_z<DT>(row, s, w);
-        for (int t = 0; t < T; ++t) {
-          const float* x = xs[t] + 32 * s;
-          acc[t][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[t][0]);
-          acc[t][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[t][1]);
-        }
+    for (int64_t s = 0; s < n32; ++s) {
+      __m512 w[2];
+      decode32_z<DT>(row, s, w);
+      for (int t = 0; t < T; ++t) {
+        const float* x = xs[t] + 32 * s;
+        acc[t][0] = _mm512_fmadd_ps(w[0], _mm512_loadu_ps(x), acc[t][0]);
+        acc[t][1] = _mm512_fmadd_ps(w[1], _mm512_loadu_ps(x + 16), acc[t][1]);
       }
     }
     for (int t = 0; t < T; ++t) ys[t][r] = reduce_z(acc[t][0], acc[t][1]);
+  }
+}
+
+// q4k_rows_t with acc[l] in one 16-lane register: 16 nibble bytes at a time, bytes 32c .. 32c + 15
+// hold elements 0-15 of sub-blocks 2c (low nibbles) and 2c + 1 (high), bytes 32c + 16 .. + 31
+// elements 16-31. reduce16 is reduce8 of the register's two halves added, as in q4k_rows_t.
+template <int T>
+DS4_AVX512 void q4k_rows_z(const TensorView& W, const float* const* xs, float* const* ys, int64_t r0, int64_t r1) {
+  const int64_t n32 = W.ne[0] / 32;
+  const int64_t row_bytes = W.row_bytes();
+  const float* sx = tile_subblock_sums(xs, T, n32);
+  const __m512i low4 = _mm512_set1_epi32(0x0f);
+  for (int64_t r = r0; r < r1; ++r) {
+    const uint8_t* row = W.data + r * row_bytes;
+    __m512 acc[T];
+    __m256 macc[T];
+    for (int t = 0; t < T; ++t) {
+      acc[t] = _mm512_setzero_ps();
+      macc[t] = _mm256_setzero_ps();
+    }
+    for (int64_t b = 0; b < n32 / 8; ++b) {
+      const uint8_t* blk = row + 144 * b;
+      alignas(32) float dl[8];
+      const __m256 ml = q4k_scales(blk, dl);
+      for (int t = 0; t < T; ++t) macc[t] = _mm256_fmadd_ps(ml, _mm256_loadu_ps(sx + t * n32 + 8 * b), macc[t]);
+      const uint8_t* qs = blk + 16;
+      for (int c = 0; c < 4; ++c) {
+        const __m512i v0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c)));
+        const __m512i v1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(qs + 32 * c + 16)));
+        const __m512 lo0 = _mm512_cvtepi32_ps(_mm512_and_si512(v0, low4));
+        const __m512 lo1 = _mm512_cvtepi32_ps(_mm512_and_si512(v1, low4));
+        const __m512 hi0 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v0, 4));
+        const __m512 hi1 = _mm512_cvtepi32_ps(_mm512_srli_epi32(v1, 4));
+        const __m512 dl0 = _mm512_set1_ps(dl[2 * c]), dl1 = _mm512_set1_ps(dl[2 * c + 1]);
+        for (int t = 0; t < T; ++t) {
+          const float* x = xs[t] + 256 * b + 64 * c;
+          const __m512 plo = _mm512_fmadd_ps(lo1, _mm512_loadu_ps(x + 16), _mm512_mul_ps(lo0, _mm512_loadu_ps(x)));
+          const __m512 phi = _mm512_fmadd_ps(hi1, _mm512_loadu_ps(x + 48), _mm512_mul_ps(hi0, _mm512_loadu_ps(x + 32)));
+          acc[t] = _mm512_fmadd_ps(plo, dl0, acc[t]);
+          acc[t] = _mm512_fmadd_ps(phi, dl1, acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < T; ++t) {
+      const __m256 a = _mm256_add_ps(_mm512_castps512_ps256(acc[t]), _mm512_extractf32x8_ps(acc[t], 1));
+      ys[t][r] = reduce8(a) - reduce8(macc[t]);
+    }
   }
 }
 
@@ -588,7 +669,10 @@ void run_tiles_z(const MatmulJob& j, int64_t r0, int64_t r1) {
       xs[t] = col_x(j, c + t);
       ys[t] = col_y(j, c + t);
     }
-    z_rows_t<DT, T>(j.W, xs, ys, r0, r1);
+    if constexpr (DT == DType::Q4_K)
+      q4k_rows_z<T>(j.W, xs, ys, r0, r1);
+    else
+      z_rows_t<DT, T>(j.W, xs, ys, r0, r1);
   });
 }
 
@@ -608,7 +692,9 @@ void run_tiles(const MatmulJob& j, int64_t r0, int64_t r1) {
       xs[t] = col_x(j, c + t);
       ys[t] = col_y(j, c + t);
     }
-    if constexpr (T <= 3)
+    if constexpr (DT == DType::Q4_K)
+      q4k_rows_t<T>(j.W, xs, ys, r0, r1);
+    else if constexpr (T <= 3)
       fused_rows_t<DT, T>(j.W, xs, ys, r0, r1);
     else
       wide_rows_t<DT, T>(j.W, xs, ys, r0, r1);
@@ -677,15 +763,17 @@ void matmul_rows_on(SimdPath p, const TensorView& W, const float* X, int ncols, 
 namespace {
 
 // The cost of one row of a product, in multiply-add equivalents, for splitting a batch evenly: a
-// row costs about cols * (decode + ncols), the decode of a weight weighing 1.5 (Q8_0) to 3 (Q4_K)
-// multiply-adds. Measured, 256x256, 1-6 columns: each column adds ~650 ns a call whatever the
-// type, the decode ~1000 ns for Q8_0, ~1900 for Q4_K, ~1700 for MXFP4, ~700 for F16/BF16
-// (AVX-512 kernels; the 256-bit ones have similar ratios). Weighing rows by multiply-adds alone
+// row costs about cols * (decode + ncols), the decode of a weight weighing 1.5 (Q8_0) to 2.5
+// (MXFP4) multiply-adds. Measured, 256x256, 1-6 columns: each column adds ~650 ns a call whatever
+// the type, the decode ~1000 ns for Q8_0, ~1700 for MXFP4, ~700 for F16/BF16 (AVX-512 kernels;
+// the 256-bit ones have similar ratios). Q4_K weighed 3 (~1900 ns) while it decoded weights; the
+// block-scaled kernels cut its fixed part from ~2.2 to ~1.2 columns' worth (1-2 columns, the
+// two kernels A/B on a shared 2-core machine), so 2 now. Weighing rows by multiply-adds alone
 // gave the thread holding the Q4_K experts of a 1-lane MoE batch ~30% more time than the other.
 int64_t row_cost(DType t, int64_t cols, int ncols) {
   int64_t decode4;  // decode cost in quarter multiply-adds per element
   switch (t) {
-    case DType::Q4_K: decode4 = 12; break;
+    case DType::Q4_K: decode4 = 8; break;
     case DType::MXFP4: decode4 = 10; break;
     case DType::Q8_0: decode4 = 6; break;
     default: decode4 = 4; break;
