@@ -18,6 +18,7 @@
 
 #include "ds4_gpu.h"
 #include "matvec.cuh"
+#include "matvec_fused.h"
 
 namespace ds4::gpu {
 
@@ -336,18 +337,18 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const int64_t rows = W.ne[1];
   const int stages = grouped_stages_now();
   // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
-  const int64_t block_rows = static_cast<int64_t>(kMatvecWarps) * grouped_own_rows(MAXC);
+  const int64_t block_rows = grouped_own_block_rows(MAXC, false);
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   if (fast) {
     matvec_grouped_own_kernel<MAXC, KS, true><<<grid, kMatvecThreads, smem, s>>>(
-        W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
-        sorted_pairs, x_row, X, ldx, Y, ldy, stages);
+        W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
+        n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
   } else {
     matvec_grouped_own_kernel<MAXC, KS, false><<<grid, kMatvecThreads, smem, s>>>(
-        W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
-        sorted_pairs, x_row, X, ldx, Y, ldy, stages);
+        W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
+        n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
   }
 }
 
@@ -568,8 +569,17 @@ void set_matvec_grouped(int variant, int stages, int width) {
 }
 
 int matvec_settings_key() {
-  return (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 | grouped_width_now() << 6;
+  // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h)
+  return (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 | grouped_width_now() << 6 |
+         (matvec_fuse() ? 1 : 0) << 10;
 }
+
+namespace detail {
+int64_t matvec_check_weights(const TensorView& W, const char* who) { return check_weights(W, who); }
+void matvec_check_activations(const float* X, int64_t ldx, const char* who) { check_activations(X, ldx, who); }
+bool matvec_chunked_on() { return chunked_on(); }
+int matvec_staged_pieces(const TensorView& W, int nc, int staged_min) { return staged_pieces(W, nc, staged_min); }
+}  // namespace detail
 
 int matvec_grouped_variant() { return grouped_variant_now(); }
 int matvec_grouped_stages() { return grouped_stages_now(); }

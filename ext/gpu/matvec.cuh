@@ -868,25 +868,43 @@ __device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const fl
   }
 }
 
+// Where the own body's sums go. GroupedStore: one product, Y[off] = v. A store with kPair true
+// runs two products of the same shape at once (matvec_fused.cu's gate/up pair): a warp's R row
+// slots are R/2 rows of the first matrix (We) and the same R/2 rows of the second (We2), and the
+// store gets both sums of an output element, (off, first, second).
+struct GroupedStore {
+  static constexpr bool kPair = false;
+  float* Y;
+  __device__ __forceinline__ void operator()(int64_t off, float v) const { Y[off] = v; }
+};
+
 // NC columns (pairs[0..NC) of a part: Y row pairs[c], X row x_row[pairs[c]], or pairs[c] when
-// x_row is null) of rows r0 .. r0 + R of expert matrix We (R = grouped_own_rows_nc(NC)); buf: this
-// warp's stages x R chunks.
-template <int NC, int KS, bool FAST>
-__device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, int64_t row_bytes, int rows, int r0,
-                                                 int units, const int32_t* __restrict__ pairs,
-                                                 const int32_t* __restrict__ x_row, const float* __restrict__ X,
-                                                 int64_t ldx, float* __restrict__ Y, int64_t ldy, uint8_t* buf,
-                                                 int stages) {
+// x_row is null) of rows r0 .. r0 + H of expert matrix We (and, Store::kPair, of We2), H = R or
+// R/2 (R = grouped_own_rows_nc(NC) row slots); buf: this warp's stages x R chunks. Row slot r
+// holds row r0 + r of We, or (kPair, r >= H) row r0 + r - H of We2: a slot's arithmetic is the
+// same whichever matrix it reads, so every sum has the bits of the one-product body.
+template <int NC, int KS, bool FAST, class Store>
+__device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, const uint8_t* __restrict__ We2,
+                                                 int64_t row_bytes, int rows, int r0, int units,
+                                                 const int32_t* __restrict__ pairs, const int32_t* __restrict__ x_row,
+                                                 const float* __restrict__ X, int64_t ldx, const Store& store,
+                                                 int64_t ldy, uint8_t* buf, int stages) {
   constexpr int R = grouped_own_rows_nc(NC);
+  static_assert(!Store::kPair || R % 2 == 0, "a paired warp takes as many rows of each matrix");
+  constexpr int H = Store::kPair ? R / 2 : R;  // output rows of the warp
   constexpr int CB = Unit<kQ4_K>::kChunkBytes, UB = CB / DS4_WARP;  // 576 bytes a chunk, 18 a unit
   const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
 
   // Rows past the end re-read the last row (valid memory); their sums are never stored. Lane l
   // copies the 16-byte vectors l and l + 32 of each chunk (a chunk is at most 36 vectors).
   const uint8_t* src_l = We + 16 * lane;
+  const uint8_t* src2_l = (Store::kPair ? We2 : We) + 16 * lane;
   int row_off[R];  // the launcher keeps an expert matrix below 2^31 bytes
 #pragma unroll
-  for (int r = 0; r < R; ++r) row_off[r] = (r0 + r < rows ? r0 + r : rows - 1) * static_cast<int>(row_bytes);
+  for (int r = 0; r < R; ++r) {
+    const int row = r0 + (r < H ? r : r - H);
+    row_off[r] = (row < rows ? row : rows - 1) * static_cast<int>(row_bytes);
+  }
   const int passes = (units + DS4_WARP - 1) / DS4_WARP;
   // Pass q of every row into stage st, one commit group.
   auto issue = [&](int q, int st) {
@@ -896,7 +914,7 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
       uint8_t* dst = buf + st * R * CB + 16 * lane;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint8_t* src = src_l + row_off[r] + q * CB;
+        const uint8_t* src = (r < H ? src_l : src2_l) + row_off[r] + q * CB;
         if (lane < nvec) ds4_cp_async16(dst + r * CB, src);
         if (lane + DS4_WARP < nvec) ds4_cp_async16(dst + r * CB + 16 * DS4_WARP, src + 16 * DS4_WARP);
       }
@@ -972,64 +990,168 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
     }
   }
 
-  // Each k-slice's sums by the butterfly, added as the k-slice tree adds them; then Y.
+  // Each k-slice's sums by the butterfly, added as the k-slice tree adds them; then the store.
+  // (warp_sum leaves every lane the same bits, so any lane may store.)
+  auto sum = [&](int r, int c) {
+    float v = warp_sum(acc[0][r][c]);
+    if constexpr (KS == 2) v = v + warp_sum(acc[1][r][c]);
+    return v;
+  };
 #pragma unroll
-  for (int r = 0; r < R; ++r)
+  for (int r = 0; r < H; ++r)
 #pragma unroll
     for (int c = 0; c < NC; ++c) {
-      float v = warp_sum(acc[0][r][c]);
-      if constexpr (KS == 2) v = v + warp_sum(acc[1][r][c]);
-      if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) Y[static_cast<int64_t>(pairs[c]) * ldy + r0 + r] = v;
+      const float v = sum(r, c);
+      if constexpr (Store::kPair) {
+        const float v2 = sum(r + H, c);
+        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows)
+          store(static_cast<int64_t>(pairs[c]) * ldy + r0 + r, v, v2);
+      } else {
+        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) store(static_cast<int64_t>(pairs[c]) * ldy + r0 + r, v);
+      }
     }
 }
 
 // Columns pairs[0..nc) of a part with nc <= NC, dispatched to the body compiled for nc, over the
-// block's RM * 4 rows: warp w takes rows (4 g + w) R .. + R of them for g = 0 .. RM / R - 1 (R the
-// body's rows per warp), so every width covers the same rows with the same blocks.
-template <int NC, int KS, bool FAST, int RM>
-__device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, int64_t row_bytes, int rows, int units,
-                                               const int32_t* pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                                               float* Y, int64_t ldy, uint8_t* buf, int stages) {
+// block's RM * 4 row slots: warp w takes slots (4 g + w) R .. + R of them for g = 0 .. RM / R - 1
+// (R the body's rows per warp), so every width covers the same rows with the same blocks. A slot
+// is a row (one product) or, Store::kPair, half a row of each product: a block then covers
+// RM * 2 rows of both.
+template <int NC, int KS, bool FAST, int RM, class Store>
+__device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const uint8_t* We2, int64_t row_bytes,
+                                               int rows, int units, const int32_t* pairs, const int32_t* x_row,
+                                               const float* X, int64_t ldx, const Store& store, int64_t ldy,
+                                               uint8_t* buf, int stages) {
   if (nc == NC) {
     constexpr int R = grouped_own_rows_nc(NC);
     static_assert(RM % R == 0, "a block's rows are whole row groups of every width");
+    constexpr int H = Store::kPair ? R / 2 : R, HM = Store::kPair ? RM / 2 : RM;
     const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
-    const int b0 = static_cast<int>(blockIdx.x) * kMatvecWarps * RM;
+    const int b0 = static_cast<int>(blockIdx.x) * kMatvecWarps * HM;
 #pragma unroll 1
     for (int g = 0; g < RM / R; ++g) {
-      const int r0 = b0 + (g * kMatvecWarps + warp) * R;
+      const int r0 = b0 + (g * kMatvecWarps + warp) * H;
       if (r0 >= rows) break;  // no barrier follows: no other warp waits for this one
-      grouped_own_part<NC, KS, FAST>(We, row_bytes, rows, r0, units, pairs, x_row, X, ldx, Y, ldy, buf, stages);
+      grouped_own_part<NC, KS, FAST>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx, store, ldy, buf,
+                                     stages);
     }
   } else if constexpr (NC > 1) {
-    grouped_own_nc<NC - 1, KS, FAST, RM>(nc, We, row_bytes, rows, units, pairs, x_row, X, ldx, Y, ldy, buf, stages);
+    grouped_own_nc<NC - 1, KS, FAST, RM>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx, store, ldy, buf,
+                                         stages);
   }
 }
 
+// Row slots of one block of the own kernel (4 warps x RM), and the rows of a matrix they cover.
+__host__ __device__ constexpr int grouped_own_block_rows(int maxc, bool pair) {
+  return kMatvecWarps * grouped_own_rows(maxc) / (pair ? 2 : 1);
+}
+
 // The grouped product of matvec_grouped_kernel (same parts, same pairs, same bits) with the own
-// body above: block (x, p) runs rows [4 RM x, 4 RM (x + 1)) of part p (RM = grouped_own_rows(MAXC))
-// in sub-parts of at most MAXC columns, each warp its own rows. Parts past *n_parts exit.
+// body above: block (x, p) runs rows [B x, B (x + 1)) of part p (B = grouped_own_block_rows) in
+// sub-parts of at most MAXC columns, each warp its own rows. Parts past *n_parts exit. W2: the
+// second stack of a paired store (same shape as W; unused otherwise).
 #ifndef DS4_MV_OWN_MINB
 #define DS4_MV_OWN_MINB 1
 #endif
-template <int MAXC, int KS, bool FAST>
+template <int MAXC, int KS, bool FAST, class Store>
 __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
-    matvec_grouped_own_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
-                              int units, const ExpertPartDev* __restrict__ parts, const int32_t* __restrict__ n_parts,
-                              const int32_t* __restrict__ sorted_pairs, const int32_t* __restrict__ x_row,
-                              const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
-                              int stages) {
+    matvec_grouped_own_kernel(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, int64_t expert_bytes,
+                              int64_t row_bytes, int rows, int units, const ExpertPartDev* __restrict__ parts,
+                              const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
+                              const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
+                              const Store store, int64_t ldy, int stages) {
   extern __shared__ __align__(16) uint8_t grouped_own_buf[];
   const int p = static_cast<int>(blockIdx.y);
   if (p >= *n_parts) return;
   const ExpertPartDev pt = parts[p];
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
   uint8_t* buf = grouped_own_buf + warp * stages * grouped_own_rows(MAXC) * Unit<kQ4_K>::kChunkBytes;
-  const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
+  const int64_t eoff = static_cast<int64_t>(pt.expert) * expert_bytes;
+  const uint8_t* We = W + eoff;
+  const uint8_t* We2 = Store::kPair ? W2 + eoff : We;
   for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
     const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
-    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC)>(nc, We, row_bytes, rows, units, sorted_pairs + pt.first + c0,
-                                                           x_row, X, ldx, Y, ldy, buf, stages);
+    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC)>(nc, We, We2, row_bytes, rows, units,
+                                                           sorted_pairs + pt.first + c0, x_row, X, ldx, store, ldy,
+                                                           buf, stages);
+  }
+}
+
+// --- matvec_multi: several products of one activation block in one grid ----------------------
+//
+// Why: at one column a product of a few MB (q_a 4.4 MB, kv 2.2 MB, the compressors 1-8 MB) is a
+// launch whose ramp and tail cost as much as its bytes (ext/gpu/README.md, pass 6: 28 Q8_0
+// launches, 305 us for ~0.5 GB). Products that read the same X (the projections of u; of q_lat;
+// the shared expert's gate and up) run here as one grid: their row blocks are laid end to end,
+// block b belongs to the last product whose first block is <= b, and it runs that product's row
+// block b - first exactly as matvec_dense_kernel runs it (the same matvec_blocks call: the unit-
+// to-lane map and KS of the product's own shape, the same butterfly and k-slice tree). So every
+// output has the bits of matvec's direct kernel, hence of its tall and staged kernels too (those
+// are bit-identical to it). R and the chunked loads are speed choices and may differ.
+//
+// Types: one instantiation serves products of type TA or TB (TA == TB: one type), the body chosen
+// per block by the product's type (block-uniform); the launcher groups the products by type and
+// pairs Q8_0 with F16 or BF16 (DS4's attention projections with its compressor and indexer ones).
+// Launch: 128 threads, grid.x = the products' row blocks, at most kMultiMax products.
+// Bytes: every product's weights once, NC x K x 4 of X (through L1/L2), the outputs once.
+constexpr int kMultiMax = 8;
+constexpr int kMultiMaxCols = 8;  // wider chunks run product by product (matvec)
+
+struct MultiProduct {
+  const uint8_t* W;
+  float* Y;
+  int32_t row_bytes, rows, ldy;  // the launcher checks they fit
+  int32_t first_block;  // its row blocks are grid blocks first_block, first_block + 1, ...
+  int32_t ks, type;     // k-slices of its shape (matvec_kslices), its ggml type
+  int32_t chunked;      // the chunked loads (where chunk_fits and W is 16-byte aligned)
+};
+
+struct MultiArgs {
+  MultiProduct p[kMultiMax];
+  int64_t K;
+  int32_t n;
+};
+
+template <int T, int NC, int R>
+__device__ __forceinline__ void multi_product(const MultiProduct& p, int64_t K, const float* __restrict__ X,
+                                              int64_t ldx, float* part, uint8_t* wbuf) {
+  constexpr int S = chunk_stages<T>(R, kMatvecWarps);
+  const int64_t units = K / Unit<T>::kElems;
+  const int64_t br = static_cast<int64_t>(R) * (kMatvecWarps / p.ks);
+  const int64_t nb = (p.rows + br - 1) / br;
+  // One row block: b_step = b_end = nb ends the loop after it.
+  matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, static_cast<int64_t>(blockIdx.x) - p.first_block,
+                             nb, nb, GlobalX<DenseOff>{X, DenseOff{ldx}}, p.Y, DenseOff{p.ldy}, part, p.chunked != 0,
+                             wbuf);
+}
+
+// The descriptor table stays in the parameter space, read by index (CUDA: __grid_constant__, so a
+// dynamic index needs no local copy and the fields load from the constant cache; HIP: kernel
+// arguments are memory already).
+#if defined(DS4_HIP)
+#define DS4_GRID_CONSTANT
+#else
+#define DS4_GRID_CONSTANT __grid_constant__
+#endif
+
+template <int TA, int TB, int NC, bool TALL>
+__global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
+    matvec_multi_kernel(const DS4_GRID_CONSTANT MultiArgs a, const float* __restrict__ X, int64_t ldx) {
+  constexpr int R = (TALL ? 2 : 1) * rows_per_warp(NC);
+  constexpr int BA = chunk_buffer_bytes<TA>(R, kMatvecWarps, chunk_stages<TA>(R, kMatvecWarps));
+  constexpr int BB = chunk_buffer_bytes<TB>(R, kMatvecWarps, chunk_stages<TB>(R, kMatvecWarps));
+  __shared__ float part[kMatvecWarps * R * NC];
+  __shared__ __align__(16) uint8_t wbuf[BA > BB ? BA : BB];
+  int i = 0;  // this block's product: the last whose first block is at or below blockIdx.x
+#pragma unroll
+  for (int j = 1; j < kMultiMax; ++j)
+    if (j < a.n && static_cast<int>(blockIdx.x) >= a.p[j].first_block) i = j;
+  const MultiProduct& p = a.p[i];
+  if constexpr (TA == TB) {
+    multi_product<TA, NC, R>(p, a.K, X, ldx, part, wbuf);
+  } else {
+    if (p.type == TA) multi_product<TA, NC, R>(p, a.K, X, ldx, part, wbuf);
+    else multi_product<TB, NC, R>(p, a.K, X, ldx, part, wbuf);
   }
 }
 

@@ -1,0 +1,98 @@
+// Host interface of the fused matvec launches (matvec_fused.cu), plain C++: the engine and the
+// Cython binding include it. Two launches that replace several:
+//
+//   matvec_multi         up to 8 products Y_i = W_i . X of one activation block X (same K, same
+//                        columns) in one grid, each output bit-identical to matvec's;
+//   matvec_grouped_pair  the routed experts' gate and up products over the same parts in one grid,
+//                        optionally with the SwiGLU applied as they are stored (G = swiglu(g, u)),
+//                        bit-identical to two matvec_grouped calls (and the swiglu kernel).
+//
+// Both obey the process-wide switch set_matvec_fuse / DS4_GPU_MV_FUSE=0 (fusion off: matvec_multi
+// makes matvec's launches product by product, matvec_grouped_pair declines), which is part of
+// matvec_settings_key, so a CUDA graph keeps what it captured. Built without a GPU backend the
+// header still compiles; the testing entry points then throw.
+#pragma once
+
+#include <cstdint>
+
+#include "ds4_gpu.h"
+
+namespace ds4::gpu {
+
+constexpr int kMatvecMultiMax = 8;  // products in one matvec_multi call
+
+// One product of a matvec_multi call: Y[c * ldy + r] = W[r] . X[c].
+struct MatvecProduct {
+  TensorView W;
+  float* Y = nullptr;
+  int64_t ldy = 0;
+};
+
+#if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+
+// Every products[i] computed as matvec(W_i, X, ncols, ldx, Y_i, ldy_i, stream, tall, staged_min)
+// would compute it (the same bits), with fewer launches: the products matvec would send to its
+// direct kernel run as one grid per type (Q8_0 shares its grid with F16 or BF16), those it would
+// send to the staged kernel keep their own launches (they already stream X once per block), and
+// chunks of more than 8 columns run product by product. The W_i share K = ne[0] and may differ in
+// type and rows. n_products 0..8; no allocation and no host synchronisation (graph capture safe,
+// once matvec_prepare has run). Returns the kernel launches it made.
+int matvec_multi(const MatvecProduct* products, int n_products, const float* X, int ncols, int64_t ldx,
+                 Stream stream, bool tall = false, int staged_min = kMatvecStagedMin);
+
+// The routed experts' gate and up products in one launch: for every pair p of the parts, with
+// g = Wg[expert(p)][r] . X[x_row[p]] and u = the same with Wu, G[p * ldy + r] = g and U[p * ldy + r]
+// = u (U non-null), or G[p * ldy + r] = swiglu(g, u, swiglu_limit) (U null; lane_ops.cu's
+// swiglu: silu(min(g, L)) * clamp(u, -L, L), no clamp for L <= 0). Arguments as matvec_grouped's.
+// Each g and u has the bits matvec_grouped gives it, so the result equals matvec_grouped twice
+// (then swiglu) bit for bit. Served by the own body (DS4_GPU_MV_GROUPED=1, the default) for Q4_K
+// stacks of one shape that it takes, parts run at most 4 columns wide; otherwise, and with fusion
+// off, it launches nothing and returns false: the caller makes the separate launches.
+bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const ExpertPart* parts, const int32_t* n_parts,
+                         int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
+                         float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols = 8);
+
+// Fusion on (default; DS4_GPU_MV_FUSE=0 turns it off) or off, process-wide; read at launch.
+void set_matvec_fuse(bool on);
+bool matvec_fuse();
+
+// matvec.cu's checks and choices, shared with matvec_fused.cu's launchers.
+namespace detail {
+int64_t matvec_check_weights(const TensorView& W, const char* who);  // units a row
+void matvec_check_activations(const float* X, int64_t ldx, const char* who);
+bool matvec_chunked_on();
+// Staged pieces matvec would cut an nc-column chunk into (0: the direct kernel takes it).
+int matvec_staged_pieces(const TensorView& W, int nc, int staged_min);
+}  // namespace detail
+
+namespace testing {
+// matvec_multi over host buffers: W[i] host views sharing K, X [ncols][K], Y[i] [ncols][W[i].ne[1]].
+// Returns the launches it made.
+int matvec_multi(const TensorView* W, int n, const float* X, int ncols, float* const* Y, bool tall, int staged_min);
+// matvec_grouped_pair over host buffers, pairs as testing::matvec_grouped's (the device planner,
+// parts of max_part). swiglu false: G and U [n_pairs][ne1] out; true: G = swiglu(gate, up) and U
+// is left as it was. Where the fused launch declines, the separate launches (and the swiglu
+// kernel) fill the same outputs. Returns whether the fused launch ran.
+bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const float* X, int64_t x_rows,
+                         const int32_t* pair_expert, const int32_t* x_row, int n_pairs, int max_part, float* G,
+                         float* U, bool swiglu, float swiglu_limit, int max_cols);
+// lane_ops.cu's swiglu kernel on host rows: G = swiglu(G, U) in place, rows x width.
+void swiglu(float* G, const float* U, int rows, int64_t width, float limit);
+void set_matvec_fuse(bool on);
+}  // namespace testing
+
+#else  // no GPU backend in this build
+
+namespace testing {
+inline int matvec_multi(const TensorView*, int, const float*, int, float* const*, bool, int) { no_backend(); }
+inline bool matvec_grouped_pair(const TensorView&, const TensorView&, const float*, int64_t, const int32_t*,
+                                const int32_t*, int, int, float*, float*, bool, float, int) {
+  no_backend();
+}
+inline void swiglu(float*, const float*, int, int64_t, float) { no_backend(); }
+inline void set_matvec_fuse(bool) { no_backend(); }
+}  // namespace testing
+
+#endif
+
+}  // namespace ds4::gpu
