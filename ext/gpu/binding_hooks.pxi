@@ -1,4 +1,4 @@
-# Testing hooks over the GPU kernels (ext/gpu/ds4_gpu.h), for ext/python/_native.pyx to include:
+# Testing hooks over the GPU kernels (ext/gpu/ds4_gpu.h, matvec_fused.h), for ext/python/_native.pyx to include:
 #
 #     include "../gpu/binding_hooks.pxi"        (after _weight_type and _as_bytes are defined)
 #
@@ -33,6 +33,18 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
         int n_lanes, int n_head, int head_dim, const float* sinks, float* out) except +
     void gpu_argmax_rows "ds4::gpu::testing::argmax_rows"(const float* X, int n_rows, int64_t n,
                                                           int32_t* out) except +
+
+
+cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
+    int gpu_matvec_multi "ds4::gpu::testing::matvec_multi"(const TensorView* W, int n, const float* X, int ncols,
+                                                           float* const* Y, cbool tall, int staged_min) except +
+    cbool gpu_matvec_grouped_pair "ds4::gpu::testing::matvec_grouped_pair"(
+        const TensorView& Wg, const TensorView& Wu, const float* X, int64_t x_rows, const int32_t* pair_expert,
+        const int32_t* x_row, int n_pairs, int max_part, float* G, float* U, cbool swiglu, float swiglu_limit,
+        int max_cols) except +
+    void gpu_swiglu "ds4::gpu::testing::swiglu"(float* G, const float* U, int rows, int64_t width,
+                                                float limit) except +
+    void gpu_set_matvec_fuse "ds4::gpu::testing::set_matvec_fuse"(cbool on) except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -122,6 +134,95 @@ def _t_gpu_matmul_batched(int ggml_type, raw, int64_t ne0, int64_t ne1, int n_ba
     with nogil:
         gpu_matvec_batched(W, n_batch, &xv[0, 0], ncols, &yv[0, 0], t, staged_min)
     return y
+
+
+def _t_gpu_matmul_multi(products, int64_t ne0, X, tall=False, staged=None):
+    """matvec_multi (ext/gpu/matvec_fused.h) on the GPU: products [(ggml_type, raw, ne1), ...] (at most
+    8) all read X [ncols, ne0]; returns ([Y_i [ncols, ne1_i]], the kernel launches it made). tall
+    and staged as in _t_gpu_matmul."""
+    keep = []
+    cdef int n = len(products)
+    if n < 1 or n > 8:
+        raise ValueError("matvec_multi takes 1..8 products")
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[1] != ne0:
+        raise ValueError(f"X must be [ncols, {ne0}]")
+    cdef int ncols = x.shape[0]
+    cdef vector[TensorView] ws
+    cdef vector[float*] ys
+    cdef float[:, ::1] yv
+    outs = []
+    for t, raw, ne1 in products:
+        ws.push_back(_weights_view(t, raw, ne0, ne1, 1, keep))
+        y = np.zeros((max(ncols, 1), ne1), dtype=np.float32)
+        yv = y
+        ys.push_back(&yv[0, 0])
+        outs.append(y[:ncols])
+    if ncols == 0:
+        return outs, 0
+    cdef const float[:, ::1] xv = x
+    cdef cbool tl = bool(tall)
+    cdef int staged_min = 2 if staged is None else (1 if staged else 1 << 30)
+    cdef int launches
+    with nogil:
+        launches = gpu_matvec_multi(ws.data(), n, &xv[0, 0], ncols, ys.data(), tl, staged_min)
+    return outs, launches
+
+
+def _t_gpu_matmul_grouped_pair(int ggml_type, raw_gate, raw_up, int64_t ne0, int64_t ne1, int64_t n_expert, X,
+                               pair_expert, x_row, int max_part, int max_cols=8, swiglu_limit=None):
+    """The routed experts' gate and up products in one launch (matvec_grouped_pair) over the device
+    planner's parts, as _t_gpu_matmul_grouped takes them. swiglu_limit None: returns (G, U, fused);
+    a float: returns (swiglu(G, U) with that clamp, None, fused). fused: whether the one-launch kernel
+    ran (where it declines, the separate launches gave the outputs)."""
+    keep = []
+    cdef TensorView Wg = _weights_view(ggml_type, raw_gate, ne0, ne1, n_expert, keep)
+    cdef TensorView Wu = _weights_view(ggml_type, raw_up, ne0, ne1, n_expert, keep)
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    pe = np.ascontiguousarray(pair_expert, dtype=np.int32)
+    xr = np.ascontiguousarray(x_row, dtype=np.int32)
+    if x.ndim != 2 or x.shape[1] != ne0 or x.shape[0] == 0 or pe.shape != xr.shape or pe.ndim != 1 or pe.shape[0] == 0:
+        raise ValueError("X must be [rows, ne0]; pair_expert and x_row the same, non-zero length")
+    cdef int n_pairs = pe.shape[0]
+    g = np.zeros((n_pairs, ne1), dtype=np.float32)
+    u = np.zeros((n_pairs, ne1), dtype=np.float32)
+    cdef const float[:, ::1] xv = x
+    cdef const int32_t[::1] pev = pe
+    cdef const int32_t[::1] xrv = xr
+    cdef float[:, ::1] gv = g
+    cdef float[:, ::1] uv = u
+    cdef int64_t x_rows = x.shape[0]
+    cdef cbool sw = swiglu_limit is not None
+    cdef float limit = 0.0 if swiglu_limit is None else swiglu_limit
+    cdef cbool fused
+    with nogil:
+        fused = gpu_matvec_grouped_pair(Wg, Wu, &xv[0, 0], x_rows, &pev[0], &xrv[0], n_pairs, max_part, &gv[0, 0],
+                                        &uv[0, 0], sw, limit, max_cols)
+    return g, (None if sw else u), bool(fused)
+
+
+def _t_gpu_swiglu(G, U, float limit):
+    """lane_ops.cu's swiglu kernel on rows G, U [rows, width]: silu(min(G, L)) * clamp(U, -L, L) (no clamp
+    for L <= 0); returns a new array."""
+    g = np.array(G, dtype=np.float32, order="C", copy=True)
+    u = np.ascontiguousarray(U, dtype=np.float32)
+    if g.ndim != 2 or g.shape != u.shape:
+        raise ValueError("G and U must be [rows, width] of one shape")
+    if g.size == 0:
+        return g
+    cdef float[:, ::1] gv = g
+    cdef const float[:, ::1] uv = u
+    cdef int rows = g.shape[0]
+    cdef int64_t width = g.shape[1]
+    with nogil:
+        gpu_swiglu(&gv[0, 0], &uv[0, 0], rows, width, limit)
+    return g
+
+
+def _t_gpu_set_matvec_fuse(on):
+    """Turn the fused matvec launches (matvec_multi, the grouped gate/up pair) on or off, process-wide
+    (the bits never change; DS4_GPU_MV_FUSE=0 is the environment's way)."""
+    gpu_set_matvec_fuse(bool(on))
 
 
 def _t_gpu_set_matvec_chunked(on):
@@ -244,6 +345,10 @@ _GPU_TESTING = dict(
     gpu_matmul_grouped=_t_gpu_matmul_grouped,
     gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
+    gpu_matmul_multi=_t_gpu_matmul_multi,
+    gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
+    gpu_swiglu=_t_gpu_swiglu,
+    gpu_set_matvec_fuse=_t_gpu_set_matvec_fuse,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,
