@@ -35,6 +35,7 @@
 #include "../engine/weights.h"
 #include "common.cuh"
 #include "ds4_gpu.h"
+#include "matvec_fused.h"
 #include "step_ops.h"
 
 namespace ds4::gpu {
@@ -165,7 +166,8 @@ struct GpuEngine::Impl {
   bool graphs = false;
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
-  // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key()).
+  // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
+  // the grouped variant, stages and width, and fusion).
   std::map<std::tuple<int, int, int, bool, bool, int>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -198,6 +200,10 @@ struct GpuEngine::Impl {
   void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
+  }
+  // Products of one X, the step's n columns (matvec_multi: fused where DS4_GPU_MV_FUSE allows).
+  void mvm(const MatvecProduct* ps, int m, const float* X, int64_t ldx) {
+    matvec_multi(ps, m, X, n, ldx, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
   }
   void download_logits(float* out, uint64_t bytes);
   void download_argmax(int32_t* out);
@@ -480,25 +486,38 @@ void GpuEngine::Impl::attention_layer(int l) {
   const bool qat = cfg.qat_numerics;
   const float eps = cfg.norm_eps;
 
-  // (A) batched projections.
+  // (A) batched projections: every product of u in one matvec_multi call (q_a, kv, the
+  // compressor's kv and gate, the indexer's weights and its compressor's kv and gate), then, after
+  // q_norm, both products of q_lat (q_b, the indexer's queries). Each output has matvec's bits.
   hc_pre_site(L.hc_attn, L.attn_norm);
-  mv(L.q_a, u, n, d, q_lat, ql);
+  {
+    MatvecProduct pu[kMatvecMultiMax];
+    int m = 0;
+    pu[m++] = {L.q_a, q_lat, ql};
+    pu[m++] = {L.kv, kvf, hd};
+    if (L.ratio > 0) {
+      pu[m++] = {L.comp.kv, comp_kv, cw};
+      pu[m++] = {L.comp.gate, comp_sc, cw};
+    }
+    if (L.ratio == 4) {
+      pu[m++] = {L.idx_proj, idx_w, inh};
+      pu[m++] = {L.idx_comp.kv, idx_kv, icw};
+      pu[m++] = {L.idx_comp.gate, idx_sc, icw};
+    }
+    mvm(pu, m, u, d);
+  }
   rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream);
-  mv(L.q_b, q_lat, n, ql, q, nh * hd);
-  mv(L.kv, u, n, d, kvf, hd);
+  {
+    MatvecProduct pq[2] = {{L.q_b, q, nh * hd}, {L.idx_q_b, idx_q, inh * ihd}};
+    mvm(pq, L.ratio == 4 ? 2 : 1, q_lat, ql);
+  }
   q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
   kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
   if (L.ratio > 0) {
     const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
-    mv(L.comp.kv, u, n, d, comp_kv, cw);
-    mv(L.comp.gate, u, n, d, comp_sc, cw);
     add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
   }
   if (L.ratio == 4) {
-    mv(L.idx_q_b, q_lat, n, ql, idx_q, inh * ihd);
-    mv(L.idx_proj, u, n, d, idx_w, inh);
-    mv(L.idx_comp.kv, u, n, d, idx_kv, icw);
-    mv(L.idx_comp.gate, u, n, d, idx_sc, icw);
     // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
     const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
     idx_q_finish(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), rd, lanes.pos, freqs(l), qat, w_scale,
@@ -624,15 +643,20 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // A part holds at most one pair per lane (routes are distinct per lane), so n lanes bound its
   // width: the kernel is sized for that (wider parts would still run, in pieces).
   const int part_cols = std::min<int>(n, kExpertPart);
-  matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream, part_cols);
-  matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream, part_cols);
-  swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
+  // Gate, up and SwiGLU in one launch where matvec_grouped_pair takes them (the same bits: each
+  // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches.
+  if (!matvec_grouped_pair(L.gate_exps, L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate,
+                           nullptr, F, cfg.swiglu_clamp_exp[l], stream, part_cols)) {
+    matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream, part_cols);
+    matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream, part_cols);
+    swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
+  }
   matvec_grouped(L.down_exps, parts, n_parts, n_pairs, sorted_pairs, nullptr, ex_gate, F, ex_down, d, stream,
                  part_cols);
   const bool shared = cfg.n_expert_shared == 1;
   if (shared) {
-    mv(L.gate_sh, u, n, d, sh_gate, F);
-    mv(L.up_sh, u, n, d, sh_up, F);
+    MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
+    mvm(gu, 2, u, d);
     swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream);
     mv(L.down_sh, sh_gate, n, F, sh_down, d);
   }
