@@ -13,6 +13,12 @@
 //                                  6 routes a lane; 1, 2, 4, 8, 64 lanes): pass 5 beside the pass-6
 //                                  variants, each output compared with pass 5's bit for bit (exit 1
 //                                  on a difference), then a speedup table
+//   harness --bench-fused [--json F]  copy bandwidth, then the fused launches (pass 7) against the
+//                                  launches they replace at flash-l4 shapes: the routed gate/up/SwiGLU
+//                                  pair against two grouped launches + swiglu (1, 2, 4, 8 lanes), and
+//                                  matvec_multi against matvec product by product (u of a CSA and an
+//                                  HCA layer, q_lat, the shared gate/up; 1, 2, 4, 8 columns), outputs
+//                                  compared bit for bit (exit 1 on a difference)
 //   harness --decode               the device decoders run on the host vs the CPU (no GPU needed)
 //
 // References: weights are dequantized with ext/cpu/quant.cpp (ds4::dequantize_row) and dotted in
@@ -34,6 +40,8 @@
 #include "ds4/kernels.h"
 #include "ds4_gpu.h"
 #include "matvec.cuh"
+#include "matvec_fused.h"
+#include "step_ops.h"
 
 using ds4::DType;
 using ds4::TensorView;
@@ -928,7 +936,112 @@ void bench_grouped_configs(const std::string& name, DType t, int64_t K, int64_t 
   g::set_matvec_grouped(v0, s0, w0);
 }
 
-enum BenchMode { kBenchDefault, kBenchStaged, kBenchChunked, kBenchGrouped };
+// Downloads n floats of a device buffer.
+std::vector<float> download(const float* d, size_t n) {
+  std::vector<float> h(n);
+  DS4_GPU_CHECK(cudaDeviceSynchronize());
+  DS4_GPU_CHECK(cudaMemcpy(h.data(), d, n * sizeof(float), cudaMemcpyDeviceToHost));
+  return h;
+}
+
+// Pass 7: the routed experts' gate/up/SwiGLU as one matvec_grouped_pair launch against two grouped
+// launches and the swiglu kernel (flash-l4: Q4_K [4096 -> 2048] x 256, 6 routes a lane), on the same
+// routings, then the two outputs on routing 0 bit for bit (*mismatches counts differences).
+void bench_fused_pair(double copy_bw, Rng& rng, std::vector<BenchRow>& out, int* mismatches) {
+  const int64_t K = 4096, F = 2048;
+  const int E = 256;
+  const float limit = 10.0f;
+  WeightSet wg(DType::Q4_K, K, F, E, rng), wu(DType::Q4_K, K, F, E, rng);
+  for (int n_lanes : {1, 2, 4, 8}) {
+    const GroupedRoutings r(n_lanes, K, F, E, 2.0 * static_cast<double>(wg.base.row_bytes()) * F, rng);
+    DeviceMem u(static_cast<size_t>(r.n_pairs) * F * sizeof(float));
+    const int mc = std::min(n_lanes, 8);
+    auto separate = [&](cudaStream_t st, int i, int k) {
+      g::matvec_grouped(wg.at(i), r.parts[k], r.nparts[k], r.n_pairs, r.sorted[k], r.xr.as<int32_t>(), r.x.as<float>(),
+                        K, r.y.as<float>(), F, st, mc);
+      g::matvec_grouped(wu.at(i), r.parts[k], r.nparts[k], r.n_pairs, r.sorted[k], r.xr.as<int32_t>(), r.x.as<float>(),
+                        K, u.as<float>(), F, st, mc);
+      g::swiglu(r.y.as<float>(), u.as<float>(), r.n_pairs, F, limit, st);
+    };
+    auto fused = [&](cudaStream_t st, int i, int k) {
+      if (!g::matvec_grouped_pair(wg.at(i), wu.at(i), r.parts[k], r.nparts[k], r.n_pairs, r.sorted[k],
+                                  r.xr.as<int32_t>(), r.x.as<float>(), K, r.y.as<float>(), nullptr, F, limit, st, mc))
+        throw std::runtime_error("bench-fused: matvec_grouped_pair declined (DS4_GPU_MV_FUSE=0 or a grouped variant other than 1?)");
+    };
+    const std::string name = "routed gate/up/swiglu Q4_K [4096 -> 2048] x256";
+    const double s_sep = time_launches([&](cudaStream_t st, int i) { separate(st, i, i % GroupedRoutings::kSets); }, 32, 15);
+    const double s_fus = time_launches([&](cudaStream_t st, int i) { fused(st, i, i % GroupedRoutings::kSets); }, 32, 15);
+    out.push_back({name + " separate", n_lanes, s_sep * 1e6, r.bytes / s_sep / 1e9, r.bytes / s_sep / copy_bw});
+    out.push_back({name + " fused", n_lanes, s_fus * 1e6, r.bytes / s_fus / 1e9, r.bytes / s_fus / copy_bw});
+    const size_t n_out = static_cast<size_t>(r.n_pairs) * F;
+    separate(nullptr, 0, 0);
+    const std::vector<float> want = download(r.y.as<float>(), n_out);
+    DS4_GPU_CHECK(cudaMemset(r.y.p, 0xff, n_out * sizeof(float)));
+    fused(nullptr, 0, 0);
+    const std::vector<float> got = download(r.y.as<float>(), n_out);
+    if (!bits_equal(want.data(), got.data(), n_out)) {
+      ++*mismatches;
+      std::printf("FAIL  %s at %d lanes: the fused output differs from the separate launches'\n", name.c_str(), n_lanes);
+    }
+  }
+}
+
+// Pass 7: matvec_multi against matvec product by product, one set of products of one X (rotated
+// weight copies, so every timed launch reads from memory), then each output bit for bit.
+struct MultiShape {
+  DType t;
+  int64_t rows;
+};
+void bench_fused_multi(const std::string& name, int64_t K, const std::vector<MultiShape>& shapes, bool tall,
+                       double copy_bw, Rng& rng, std::vector<BenchRow>& out, int* mismatches) {
+  const int n = static_cast<int>(shapes.size());
+  std::vector<std::unique_ptr<WeightSet>> ws;
+  std::vector<std::unique_ptr<DeviceMem>> ys;
+  double wbytes = 0.0;
+  int64_t all_rows = 0;
+  for (const MultiShape& sh : shapes) {
+    ws.push_back(std::make_unique<WeightSet>(sh.t, K, sh.rows, 1, rng));
+    ys.push_back(std::make_unique<DeviceMem>(static_cast<size_t>(8) * sh.rows * sizeof(float)));
+    wbytes += static_cast<double>(ws.back()->base.nbytes());
+    all_rows += sh.rows;
+  }
+  DeviceMem x(static_cast<size_t>(8) * K * sizeof(float));
+  const std::vector<float> xh = random_floats(static_cast<size_t>(8) * K, rng);
+  DS4_GPU_CHECK(cudaMemcpy(x.p, xh.data(), xh.size() * sizeof(float), cudaMemcpyHostToDevice));
+  auto products = [&](int i) {
+    std::vector<g::MatvecProduct> ps(n);
+    for (int j = 0; j < n; ++j) ps[j] = {ws[j]->at(i), ys[j]->as<float>(), shapes[j].rows};
+    return ps;
+  };
+  for (int nc : {1, 2, 4, 8}) {
+    auto separate = [&](cudaStream_t st, int i) {
+      for (int j = 0; j < n; ++j)
+        g::matvec(ws[j]->at(i), x.as<float>(), nc, K, ys[j]->as<float>(), shapes[j].rows, st, tall, g::kMatvecStagedMin);
+    };
+    auto fused = [&](cudaStream_t st, int i) {
+      const std::vector<g::MatvecProduct> ps = products(i);
+      g::matvec_multi(ps.data(), n, x.as<float>(), nc, K, st, tall, g::kMatvecStagedMin);
+    };
+    const double bytes = wbytes + 4.0 * nc * (K + all_rows);
+    const double s_sep = time_launches(separate, 32, 15), s_fus = time_launches(fused, 32, 15);
+    out.push_back({name + " separate", nc, s_sep * 1e6, bytes / s_sep / 1e9, bytes / s_sep / copy_bw});
+    out.push_back({name + " fused", nc, s_fus * 1e6, bytes / s_fus / 1e9, bytes / s_fus / copy_bw});
+    std::vector<std::vector<float>> want(n);
+    separate(nullptr, 0);
+    for (int j = 0; j < n; ++j) want[j] = download(ys[j]->as<float>(), static_cast<size_t>(nc) * shapes[j].rows);
+    for (int j = 0; j < n; ++j) DS4_GPU_CHECK(cudaMemset(ys[j]->p, 0xff, static_cast<size_t>(nc) * shapes[j].rows * 4));
+    fused(nullptr, 0);
+    for (int j = 0; j < n; ++j) {
+      const std::vector<float> got = download(ys[j]->as<float>(), want[j].size());
+      if (!bits_equal(want[j].data(), got.data(), got.size())) {
+        ++*mismatches;
+        std::printf("FAIL  %s, product %d at %d columns: the fused output differs\n", name.c_str(), j, nc);
+      }
+    }
+  }
+}
+
+enum BenchMode { kBenchDefault, kBenchStaged, kBenchChunked, kBenchGrouped, kBenchFused };
 
 int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
   g::matvec_prepare();  // outside the graph captures below
@@ -936,7 +1049,20 @@ int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
   std::printf("device-to-device copy: %.1f GB/s (read + write)\n", bw / 1e9);
   std::vector<BenchRow> rows;
   int mismatches = 0;
-  if (mode == kBenchGrouped) {
+  if (mode == kBenchFused) {
+    bench_fused_pair(bw, rng, rows, &mismatches);
+    const DType q8 = DType::Q8_0, f16 = DType::F16;
+    bench_fused_multi("u: q_a, kv, compressor, indexer (CSA layer)", 4096,
+                      {{q8, 1024}, {q8, 512}, {f16, 1024}, {f16, 1024}, {f16, 64}, {f16, 256}, {f16, 256}}, false, bw,
+                      rng, rows, &mismatches);
+    bench_fused_multi("u: q_a, kv, compressor (HCA layer)", 4096, {{q8, 1024}, {q8, 512}, {f16, 512}, {f16, 512}},
+                      false, bw, rng, rows, &mismatches);
+    bench_fused_multi("u: q_a, kv (sliding-window layer)", 4096, {{q8, 1024}, {q8, 512}}, false, bw, rng, rows,
+                      &mismatches);
+    bench_fused_multi("q_lat: q_b, indexer q_b (tall)", 1024, {{q8, 32768}, {f16, 8192}}, true, bw, rng, rows,
+                      &mismatches);
+    bench_fused_multi("shared expert gate, up", 4096, {{q8, 2048}, {q8, 2048}}, false, bw, rng, rows, &mismatches);
+  } else if (mode == kBenchGrouped) {
     // The grouped Q4_K kernel at flash-l4's expert shapes (256 experts, 6 routes a lane), pass 5
     // against the own body (pass 6) at each copy-stage count, with the one-fma decode and without.
     const std::vector<int> lanes = {1, 2, 4, 8, 64};
@@ -1005,6 +1131,9 @@ int run_bench(const char* json_path, Rng& rng, BenchMode mode) {
     std::printf("grouped variants bit-identical to pass 5: %s (%d mismatching)\n", mismatches ? "NO" : "yes",
                 mismatches);
   }
+  if (mode == kBenchFused)
+    std::printf("fused launches bit-identical to the separate ones: %s (%d mismatching)\n", mismatches ? "NO" : "yes",
+                mismatches);
   if (json_path) {
     FILE* f = std::fopen(json_path, "w");
     if (!f) return 1;
@@ -1088,12 +1217,14 @@ int main(int argc, char** argv) {
     else if (a == "--bench-staged") bench = true, mode = kBenchStaged;
     else if (a == "--bench-chunked") bench = true, mode = kBenchChunked;
     else if (a == "--bench-grouped") bench = true, mode = kBenchGrouped;
+    else if (a == "--bench-fused") bench = true, mode = kBenchFused;
     else if (a == "--decode") decode = true;
     else if (a == "--json" && i + 1 < argc) json = argv[++i];
     else if (a == "--seed" && i + 1 < argc) seed = std::strtoull(argv[++i], nullptr, 10);
     else {
       std::fprintf(stderr,
                    "usage: harness [--decode] [--check | --quick] [--bench | --bench-staged | --bench-chunked | --bench-grouped "
+                   "| --bench-fused "
                    "[--json FILE]] "
                    "[--seed N]\n");
       return 2;
