@@ -735,6 +735,10 @@ void product_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
 
 // Rows [r0, r1) of a job: W, then W2 if any, then its after().
 void job_rows(SimdPath p, const MatmulJob& j, int64_t r0, int64_t r1) {
+  if (j.is_task()) {
+    if (r0 < r1) j.after(j, r0, r1);
+    return;
+  }
   if (j.ncols == 0 || r0 >= r1) return;
   product_rows(p, j, r0, r1);
   if (j.W2.data) {
@@ -792,6 +796,12 @@ void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& 
   int64_t per_row[kMaxJobs];
   start[0] = 0;
   for (int i = 0; i < n_jobs; ++i) {
+    if (jobs[i].is_task()) {
+      if (!jobs[i].after || jobs[i].task_rows < 0) throw std::invalid_argument("matmul_batch: a task needs a function");
+      per_row[i] = std::max<int64_t>(1, jobs[i].task_cost);
+      start[i + 1] = start[i] + jobs[i].task_rows * per_row[i];
+      continue;
+    }
     check_view(jobs[i].W, jobs[i].ncols);
     const bool two = jobs[i].W2.data != nullptr;
     if (two) {
@@ -808,7 +818,7 @@ void matmul_batch_on(SimdPath p, const MatmulJob* jobs, int n_jobs, ThreadPool& 
     // Row r of job i belongs to the chunk holding the first unit of its work.
     for (int i = 0; i < n_jobs; ++i) {
       if (start[i + 1] <= b || start[i] >= e) continue;
-      const int64_t rows = jobs[i].W.ne[1];
+      const int64_t rows = jobs[i].is_task() ? jobs[i].task_rows : jobs[i].W.ne[1];
       const int64_t r0 = std::clamp<int64_t>((b - start[i] + per_row[i] - 1) / per_row[i], 0, rows);
       const int64_t r1 = std::clamp<int64_t>((e - start[i] + per_row[i] - 1) / per_row[i], 0, rows);
       job_rows(p, jobs[i], r0, r1);

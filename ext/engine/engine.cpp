@@ -135,6 +135,10 @@ struct Engine::Impl {
     if (n_jobs == kMaxJobs) run_jobs();  // the queued products are independent: any split is fine
     jobs[n_jobs++] = MatmulJob::product(W, n, X, ldx, Y, ldy);
   }
+  void add_task(void (*fn)(const MatmulJob&, int64_t, int64_t), int64_t rows, int64_t cost_per_row) {
+    if (n_jobs == kMaxJobs) run_jobs();
+    jobs[n_jobs++] = MatmulJob::task(fn, this, rows, cost_per_row);
+  }
   void run_jobs() {
     matmul_batch(jobs, n_jobs, pool);
     n_jobs = 0;
@@ -178,17 +182,27 @@ void Engine::Impl::embed() {
   });
 }
 
-// mHC pre of every lane, then the sub-layer's RMSNorm of its input u (one hand-off for both).
+// mHC pre of every lane, then the sub-layer's RMSNorm of its input u (one hand-off for both). The
+// Sinkhorn of each lane's comb, which only hc_post reads, is queued as a task for the next batch
+// of products (the sub-layer's first), off the serial path of a one-lane step.
 void Engine::Impl::hc_pre(const HcWeights& hw, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   matmul(hw.fn, sc.x_hc, n, hcd, sc.hc_mix, mix, pool);
-  const int64_t sinkhorn_work = static_cast<int64_t>(cfg.hc_sinkhorn_iters) * 4 * cfg.hc_mult * cfg.hc_mult;
-  per_lane(3 * hcd + sinkhorn_work, [&](int i) {
+  per_lane(3 * hcd, [&](int i) {
     float* u = sc.u + i * d;
     hc_pre_lane(hcs, hw, sc.x_hc + i * hcd, x_ss_valid ? &x_ss[i] : nullptr, sc.hc_mix + i * mix, u,
                 sc.hc_post + i * cfg.hc_mult, sc.hc_comb + i * cfg.hc_mult * cfg.hc_mult);
     rms_norm(u, norm, u, d, cfg.norm_eps);
   });
+  // A Sinkhorn is a chain of ~2 * iters dependent divisions and adds (~0.3 us at 20 iterations);
+  // its cost in matmul_batch's multiply-add units, measured: about 75 * hc a pass.
+  const int64_t sinkhorn_cost = static_cast<int64_t>(cfg.hc_sinkhorn_iters) * 2 * 75 * cfg.hc_mult;
+  add_task(
+      [](const MatmulJob& j, int64_t r0, int64_t r1) {
+        const Impl& m = *static_cast<const Impl*>(j.ctx);
+        for (int64_t i = r0; i < r1; ++i) hc_comb_lane(m.hcs, m.sc.hc_comb + i * m.cfg.hc_mult * m.cfg.hc_mult);
+      },
+      n, sinkhorn_cost);
 }
 
 // mHC post of every lane (the sub-layer's output in sc.y), keeping each new state's sum of squares.
@@ -381,6 +395,8 @@ void Engine::Impl::ffn_layer(int l) {
   const LayerWeights& L = w.layers[l];
   const int64_t d = cfg.n_embd;
   hc_pre(L.hc_ffn, L.ffn_norm);
+  add_job(L.gate_inp, sc.u, d, sc.router, cfg.n_expert);  // with hc_pre's Sinkhorn task
+  run_jobs();
   moe_forward(cfg, L, l, n, tok, sc, moe_lists, pool);
   hc_post();
 }

@@ -93,9 +93,10 @@ void hc_pre_lane(const HcShape& s, const HcWeights& w, const float* x, const dou
   for (int i = 0; i < hc; ++i) pre[i] = sigmoidf(w.scale[0] * (rho * raw[i]) + w.base[i]) + s.hc_eps;
   for (int i = 0; i < hc; ++i) post[i] = 2.0f * sigmoidf(w.scale[1] * (rho * raw[hc + i]) + w.base[hc + i]);
   for (int i = 0; i < hc * hc; ++i) comb[i] = w.scale[2] * (rho * raw[2 * hc + i]) + w.base[2 * hc + i];
-  sinkhorn(comb, hc, s.iters, s.hc_eps);
   mix_streams(hc, s.d, pre, x, u);
 }
+
+void hc_comb_lane(const HcShape& s, float* comb) { sinkhorn(comb, s.hc, s.iters, s.hc_eps); }
 
 double hc_post_lane(const HcShape& s, float* x, const float* y, const float* post, const float* comb) {
   const int hc = s.hc;

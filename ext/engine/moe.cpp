@@ -118,7 +118,6 @@ void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n
                  MoeLists& lists, ThreadPool& pool) {
   const int64_t d = cfg.n_embd, F = cfg.expert_ffn;
   const int E = cfg.n_expert, K = cfg.n_expert_used;
-  matmul(L.gate_inp, sc.u, n, d, sc.router, E, pool);
   const bool hash = layer < cfg.n_hash_layers;
   for (int i = 0; i < n; ++i)
     route_lane(cfg, L, hash, tokens[i], sc.router + static_cast<int64_t>(i) * E, sc.sel_id + static_cast<int64_t>(i) * K,

@@ -39,8 +39,8 @@ struct MoeLists {
   std::vector<MatmulJob> jobs;
 };
 
-// y[lane] = Σ_k w_k·expert_k(u[lane]) + shared(u[lane]) for lanes [0, n): reads sc.u,
-// writes sc.y.
+// y[lane] = Σ_k w_k·expert_k(u[lane]) + shared(u[lane]) for lanes [0, n): reads sc.u and the
+// router logits sc.router (gate_inp · u, which the caller batches with its own work), writes sc.y.
 void moe_forward(const ModelConfig& cfg, const LayerWeights& L, int layer, int n, const int32_t* tokens, Scratch& sc,
                  MoeLists& lists, ThreadPool& pool);
 

@@ -100,6 +100,9 @@ struct MatmulJob {
   float* const* y2_cols = nullptr;
   void (*after)(const MatmulJob& job, int64_t r0, int64_t r1) = nullptr;
   const void* ctx = nullptr;  // for after
+  // A task instead of a product (W.data null): after(job, r0, r1) over rows [0, task_rows), each
+  // row worth task_cost multiply-adds when the batch is split between the threads.
+  int64_t task_rows = 0, task_cost = 0;
 
   // Y = W·X over ncols columns: column c of X at X + c*ldx (or x_cols[c]), of Y at Y + c*ldy
   // (or y_cols[c]).
@@ -117,13 +120,26 @@ struct MatmulJob {
     return j;
   }
 
+  // Work beside the products of a batch (per-lane control math that nothing in the batch reads):
+  // fn(job, r0, r1) for rows [r0, r1) of [0, rows).
+  static MatmulJob task(void (*fn)(const MatmulJob&, int64_t, int64_t), const void* ctx, int64_t rows,
+                        int64_t cost_per_row) {
+    MatmulJob j;
+    j.after = fn;
+    j.ctx = ctx;
+    j.task_rows = rows;
+    j.task_cost = cost_per_row;
+    return j;
+  }
+  bool is_task() const { return W.data == nullptr; }
+
   const float* x(int c) const { return x_cols ? x_cols[c] : X + c * ldx; }
   float* y(int c) const { return y_cols ? y_cols[c] : Y + c * ldy; }
   float* y2(int c) const { return y2_cols ? y2_cols[c] : Y2 + c * ldy; }
 };
 
-// Independent products (at most 64; no job may write what another reads) in one hand-off to the
-// pool: their rows are split between the threads together, so many small products cost one
+// Independent products and tasks (at most 64; no job may write what another reads) in one hand-off
+// to the pool: their rows are split between the threads together, so many small products cost one
 // wake-up instead of one each. Each column's bits are those of a single-column matmul.
 void matmul_batch(const MatmulJob* jobs, int n_jobs, ThreadPool& pool);
 
