@@ -45,6 +45,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     void gpu_swiglu "ds4::gpu::testing::swiglu"(float* G, const float* U, int rows, int64_t width,
                                                 float limit) except +
     void gpu_set_matvec_fuse "ds4::gpu::testing::set_matvec_fuse"(cbool on) except +
+    cbool gpu_set_matvec_mma "ds4::gpu::testing::set_matvec_mma"(cbool on) except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -225,6 +226,14 @@ def _t_gpu_set_matvec_fuse(on):
     gpu_set_matvec_fuse(bool(on))
 
 
+def _t_gpu_set_matvec_mma(on):
+    """Send every product whose weights the tensor-core kernels take (Q8_0, Q4_K, F16, BF16 with K a
+    multiple of 256) to them, or none, process-wide (DS4_GPU_MMA=1 is the environment's way; the
+    bits differ from the fp32 SIMT kernels' in the last places). Returns whether the switch is on
+    now: always False in a build without the tensor-core kernels (HIP)."""
+    return bool(gpu_set_matvec_mma(bool(on)))
+
+
 def _t_gpu_set_matvec_chunked(on):
     """Turn the Q8_0/Q4_K chunked weight loads on or off, process-wide (the bits never change)."""
     gpu_set_matvec_chunked(bool(on))
@@ -349,6 +358,7 @@ _GPU_TESTING = dict(
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
     gpu_swiglu=_t_gpu_swiglu,
     gpu_set_matvec_fuse=_t_gpu_set_matvec_fuse,
+    gpu_set_matvec_mma=_t_gpu_set_matvec_mma,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

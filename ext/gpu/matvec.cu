@@ -1,7 +1,9 @@
 // Launchers of the weight-reuse matrix-vector kernels (matvec.cuh): the dense product for any
 // column count (16-column chunks, each chunk one kernel specialised for its width), the
 // device-side planner that groups (expert, pair) routes into parts of up to 8 pairs, and the
-// expert-grouped product over those parts.
+// expert-grouped product over those parts. With the tensor-core switch on (DS4_GPU_MMA=1,
+// matvec_fused.h), the products whose weights mma_matvec_fits go to mma_matvec.cuh's kernels
+// instead, at every width: one arithmetic per product whatever the column count.
 //
 // build_expert_parts: one block; per pair, its rank in the stable sort by expert is
 // (pairs with a smaller expert) + (earlier pairs with the same expert), so the plan is the same
@@ -19,6 +21,7 @@
 #include "ds4_gpu.h"
 #include "matvec.cuh"
 #include "matvec_fused.h"
+#include "mma_matvec.cuh"
 
 namespace ds4::gpu {
 
@@ -57,6 +60,70 @@ int64_t check_weights(const TensorView& W, const char* who) {
 void check_activations(const float* X, int64_t ldx, const char* who) {
   if (reinterpret_cast<uintptr_t>(X) % 16 != 0 || ldx % 4 != 0)
     throw std::invalid_argument(std::string(who) + ": activations must be 16-byte aligned with ldx a multiple of 4");
+}
+
+// The tensor-core switch (matvec_fused.h): -1 not read from the environment yet. On only where
+// the build has the tensor-core kernels (CUDA), so under HIP it stays off whatever is asked.
+std::atomic<int> g_mma{-1};
+
+bool mma_on() {
+  int v = g_mma.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_MMA");
+    v = (e != nullptr && *e != 0 && std::string(e) != "0") ? 1 : 0;
+    g_mma.store(v, std::memory_order_relaxed);
+  }
+  return v == 1 && mma_matvec_supported(DType::Q8_0);
+}
+
+// Columns per mma_matvec call (its limit is 65535; a multiple of 64 keeps the wide path's padded
+// width within it). A column's bits never depend on the call it is in.
+constexpr int kMmaCallCols = 32768;
+
+void mma_product(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
+                 const MatvecScratch& scratch) {
+  for (int c0 = 0; c0 < ncols; c0 += kMmaCallCols)
+    mma_matvec(W, X + static_cast<int64_t>(c0) * ldx, std::min(kMmaCallCols, ncols - c0), ldx,
+               Y + static_cast<int64_t>(c0) * ldy, ldy, stream, scratch.data, scratch.bytes);
+}
+
+// The scratch of the entries without a scratch argument (ds4_gpu.h's matvec, matvec_batched and
+// matvec_grouped: the testing hooks, the harness), grown on demand and kept for the process (never
+// freed: a static destructor would run after the CUDA runtime is torn down). Lent only on the
+// legacy default stream outside a graph capture: that stream orders its work after every blocking
+// stream's, so the buffer has one user at a time, and growing it (after a device
+// synchronisation, under the lock that also covers the launch) frees nothing still in use.
+// Elsewhere the call runs without scratch: the same bits through the paths that need none.
+template <class F>
+void with_module_scratch(size_t need, Stream stream, F&& run) {
+#if defined(DS4_MMA_MATVEC)
+  static std::mutex mu;
+  static float* buf = nullptr;
+  static size_t have = 0;
+  cudaStreamCaptureStatus st = cudaStreamCaptureStatusNone;
+  bool free_to_use = need > 0 && stream == nullptr;
+  if (free_to_use && cudaStreamIsCapturing(static_cast<cudaStream_t>(stream), &st) != cudaSuccess) {
+    (void)cudaGetLastError();  // a capture elsewhere in global mode: do not touch memory now
+    free_to_use = false;
+  }
+  if (free_to_use && st == cudaStreamCaptureStatusNone) {
+    std::lock_guard<std::mutex> lock(mu);
+    if (have < need) {
+      DS4_GPU_CHECK(cudaDeviceSynchronize());
+      if (buf != nullptr) DS4_GPU_CHECK(cudaFree(buf));
+      buf = nullptr;
+      have = 0;
+      DS4_GPU_CHECK(cudaMalloc(&buf, need));
+      have = need;
+    }
+    run(MatvecScratch{buf, have});
+    return;
+  }
+#else
+  (void)need;
+  (void)stream;
+#endif
+  run(MatvecScratch{});
 }
 
 // The chunked weight loads (matvec.cuh) where a matrix allows them; set_matvec_chunked(false)
@@ -488,14 +555,45 @@ void matvec_prepare() {
   std::call_once(g_staged_once, prepare_staged);
 }
 
+void set_matvec_mma(bool on) { g_mma.store(on ? 1 : 0, std::memory_order_relaxed); }
+bool matvec_mma() { return mma_on(); }
+bool matvec_uses_mma(const TensorView& W) { return mma_on() && mma_matvec_fits(W); }
+
+size_t matvec_scratch_bytes(const TensorView& W, int ncols) {
+  return matvec_uses_mma(W) && ncols > 0 ? mma_matvec_scratch_bytes(W, std::min(ncols, kMmaCallCols)) : 0;
+}
+
+size_t matvec_grouped_scratch_bytes(const TensorView& W, int max_parts) {
+  return matvec_uses_mma(W) && max_parts > 0 ? mma_grouped_scratch_bytes(W, max_parts) : 0;
+}
+
 void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
             bool tall, int staged_min) {
   matvec_batched(W, 1, 0, X, 0, ncols, ldx, Y, 0, ldy, stream, tall, staged_min);
 }
 
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
+            bool tall, int staged_min, const MatvecScratch& scratch) {
+  matvec_batched(W, 1, 0, X, 0, ncols, ldx, Y, 0, ldy, stream, tall, staged_min, scratch);
+}
+
 void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
                     int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall,
                     int staged_min) {
+  if (!matvec_uses_mma(W)) {
+    matvec_batched(W, n_batch, w_stride_bytes, X, x_stride, ncols, ldx, Y, y_stride, ldy, stream, tall, staged_min,
+                   MatvecScratch{});
+    return;
+  }
+  with_module_scratch(matvec_scratch_bytes(W, ncols), stream, [&](const MatvecScratch& scratch) {
+    matvec_batched(W, n_batch, w_stride_bytes, X, x_stride, ncols, ldx, Y, y_stride, ldy, stream, tall, staged_min,
+                   scratch);
+  });
+}
+
+void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
+                    int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall,
+                    int staged_min, const MatvecScratch& scratch) {
   if (ncols < 0) throw std::invalid_argument("GPU matvec: negative column count");
   if (n_batch < 1 || n_batch > 65535) throw std::invalid_argument("GPU matvec: a batch has 1..65535 members");
   if (x_stride % 4 != 0 || w_stride_bytes < 0)
@@ -503,6 +601,17 @@ void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, co
   const int64_t units = check_weights(W, "GPU matvec");
   check_activations(X, ldx, "GPU matvec");
   if (ncols == 0 || W.ne[1] == 0) return;
+  // Tensor-core products: member by member (one scratch serves them in stream order). The stride
+  // test keeps every member 16-byte aligned; it depends on the call site, never on the width.
+  if (matvec_uses_mma(W) && w_stride_bytes % 16 == 0) {
+    for (int i = 0; i < n_batch; ++i) {
+      TensorView Wi = W;
+      Wi.data = W.data + static_cast<int64_t>(i) * w_stride_bytes;
+      mma_product(Wi, X + static_cast<int64_t>(i) * x_stride, ncols, ldx, Y + static_cast<int64_t>(i) * y_stride, ldy,
+                  stream, scratch);
+    }
+    return;
+  }
   const MatvecBatch batch{w_stride_bytes, x_stride, y_stride};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // Wider products run as 16-column chunks: each column is still single-column arithmetic.
@@ -569,9 +678,17 @@ void set_matvec_grouped(int variant, int stages, int width) {
 }
 
 int matvec_settings_key() {
-  // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h)
-  return (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 | grouped_width_now() << 6 |
-         (matvec_fuse() ? 1 : 0) << 10;
+  // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h),
+  // 11 tensor cores; with them on, their launch choices (mma_matvec.cuh's MmaConfig, the same bits
+  // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
+  // 15 wide passes of 8 n-tiles.
+  int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
+            grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10;
+  if (mma_on()) {
+    const MmaConfig c = mma_config();
+    key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15;
+  }
+  return key;
 }
 
 namespace detail {
@@ -588,10 +705,28 @@ int matvec_grouped_width() { return grouped_width_now(); }
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
                     int64_t ldy, Stream stream, int max_cols) {
+  if (!matvec_uses_mma(W)) {
+    matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols,
+                   MatvecScratch{});
+    return;
+  }
+  with_module_scratch(matvec_grouped_scratch_bytes(W, max_parts), stream, [&](const MatvecScratch& scratch) {
+    matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols, scratch);
+  });
+}
+
+void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
+                    const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
+                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch) {
   const int64_t units = check_weights(W, "GPU grouped matvec");
   check_activations(X, ldx, "GPU grouped matvec");
   if (max_parts < 0 || max_parts > 65535) throw std::invalid_argument("GPU grouped matvec: max_parts must be 0..65535");
   if (max_parts == 0 || W.ne[1] == 0) return;
+  if (matvec_uses_mma(W)) {  // every pair bit-identical to mma_matvec of its expert on its column alone
+    mma_matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols,
+                       scratch.data, scratch.bytes);
+    return;
+  }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (W.type) {
     case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;

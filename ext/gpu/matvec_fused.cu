@@ -8,7 +8,9 @@
 // same matvec_blocks call for a product's row block; the same own-body slot arithmetic for a gate or
 // up row), so the bits are those of the separate launches; only which block runs what changes.
 // Bytes: as the launches they replace (every weight once); one launch's ramp and tail instead of
-// several.
+// several. With the tensor-core switch on, the products it takes leave the fused grids (matvec_multi
+// runs them one by one on mma_matvec, matvec_grouped_pair declines them); the SIMT products fuse as
+// before.
 #include <algorithm>
 #include <atomic>
 #include <cstdlib>
@@ -229,25 +231,40 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
 void set_matvec_fuse(bool on) { g_fuse.store(on ? 1 : 0, std::memory_order_relaxed); }
 bool matvec_fuse() { return fuse_on(); }
 
-int matvec_multi(const MatvecProduct* products, int n_products, const float* X, int ncols, int64_t ldx,
-                 Stream stream, bool tall, int staged_min) {
-  if (n_products < 0 || n_products > kMatvecMultiMax)
+int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int ncols, int64_t ldx,
+                 Stream stream, bool tall, int staged_min, const MatvecScratch& scratch) {
+  if (n_in < 0 || n_in > kMatvecMultiMax)
     throw std::invalid_argument("GPU matvec_multi: 0.." + std::to_string(kMatvecMultiMax) + " products");
   if (ncols < 0) throw std::invalid_argument("GPU matvec_multi: negative column count");
-  if (n_products == 0) return 0;
-  const int64_t K = products[0].W.ne[0];
-  int64_t units[kMatvecMultiMax];
-  for (int i = 0; i < n_products; ++i) {
-    if (products[i].W.ne[0] != K)
+  if (n_in == 0) return 0;
+  const int64_t K = products_in[0].W.ne[0];
+  int64_t units_in[kMatvecMultiMax];
+  for (int i = 0; i < n_in; ++i) {
+    if (products_in[i].W.ne[0] != K)
       throw std::invalid_argument("GPU matvec_multi: product " + std::to_string(i) + " has rows of " +
-                                  std::to_string(products[i].W.ne[0]) + " elements, product 0 of " +
+                                  std::to_string(products_in[i].W.ne[0]) + " elements, product 0 of " +
                                   std::to_string(K) + " (one X serves them all)");
-    units[i] = detail::matvec_check_weights(products[i].W, "GPU matvec_multi");
+    units_in[i] = detail::matvec_check_weights(products_in[i].W, "GPU matvec_multi");
   }
   detail::matvec_check_activations(X, ldx, "GPU matvec_multi");
   if (ncols == 0) return 0;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   int launches = 0;
+  // The tensor-core products first, one call each (their own arithmetic at every width; fusing
+  // them is a later step); the rest, the SIMT products, fused below as before.
+  MatvecProduct products[kMatvecMultiMax];
+  int64_t units[kMatvecMultiMax];
+  int n_products = 0;
+  for (int i = 0; i < n_in; ++i) {
+    const MatvecProduct& p = products_in[i];
+    if (matvec_uses_mma(p.W)) {
+      matvec(p.W, X, ncols, ldx, p.Y, p.ldy, stream, tall, staged_min, scratch);
+      launches += p.W.ne[1] > 0 ? 1 : 0;
+    } else {
+      units[n_products] = units_in[i];
+      products[n_products++] = p;
+    }
+  }
   if (!fuse_on() || ncols > kMultiMaxCols) {
     for (int i = 0; i < n_products; ++i) {
       const MatvecProduct& p = products[i];
@@ -310,6 +327,7 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const Exper
   // most 4 columns wide (the pair is not built for the 8-wide own body).
   if (!fuse_on() || matvec_grouped_variant() != kGroupedOwn) return false;
   if (Wg.type != DType::Q4_K || Wu.type != DType::Q4_K) return false;
+  if (matvec_uses_mma(Wg) || matvec_uses_mma(Wu)) return false;  // the tensor-core grouped product serves them
   for (int d = 0; d < 4; ++d)
     if (Wg.ne[d] != Wu.ne[d]) return false;
   const int64_t units = detail::matvec_check_weights(Wg, "GPU grouped gate/up");
@@ -386,7 +404,12 @@ int matvec_multi(const TensorView* W, int n, const float* X, int ncols, float* c
     ps[i].ldy = W[i].ne[1];
   }
   DeviceBuffer x(X, static_cast<size_t>(ncols) * K * sizeof(float));
-  const int launches = ds4::gpu::matvec_multi(ps, n, x.as<float>(), ncols, K, nullptr, tall, staged_min);
+  // Scratch for the tensor-core products, as the engine sizes it: the largest any of them wants.
+  size_t scratch_bytes = 0;
+  for (int i = 0; i < n; ++i) scratch_bytes = std::max(scratch_bytes, matvec_scratch_bytes(ps[i].W, ncols));
+  DeviceBuffer scratch(scratch_bytes);
+  const int launches = ds4::gpu::matvec_multi(ps, n, x.as<float>(), ncols, K, nullptr, tall, staged_min,
+                                              MatvecScratch{scratch.as<float>(), scratch_bytes});
   DS4_GPU_CHECK(cudaDeviceSynchronize());
   for (int i = 0; i < n; ++i)
     keep[2 * i + 1]->download(Y[i]);
@@ -444,6 +467,11 @@ void swiglu(float* G, const float* U, int rows, int64_t width, float limit) {
 }
 
 void set_matvec_fuse(bool on) { ds4::gpu::set_matvec_fuse(on); }
+
+bool set_matvec_mma(bool on) {
+  ds4::gpu::set_matvec_mma(on);
+  return ds4::gpu::matvec_mma();
+}
 
 }  // namespace testing
 }  // namespace ds4::gpu

@@ -1,5 +1,7 @@
-// Host interface of the fused matvec launches (matvec_fused.cu), plain C++: the engine and the
-// Cython binding include it. Two launches that replace several:
+// Host interface of the matvec launches beyond ds4_gpu.h (matvec.cu, matvec_fused.cu), plain C++:
+// the engine and the Cython binding include it.
+//
+// Fused launches (pass 7), two launches that replace several:
 //
 //   matvec_multi         up to 8 products Y_i = W_i . X of one activation block X (same K, same
 //                        columns) in one grid, each output bit-identical to matvec's;
@@ -9,10 +11,23 @@
 //
 // Both obey the process-wide switch set_matvec_fuse / DS4_GPU_MV_FUSE=0 (fusion off: matvec_multi
 // makes matvec's launches product by product, matvec_grouped_pair declines), which is part of
-// matvec_settings_key, so a CUDA graph keeps what it captured. Built without a GPU backend the
-// header still compiles; the testing entry points then throw.
+// matvec_settings_key, so a CUDA graph keeps what it captured.
+//
+// Tensor-core products (pass 8, MMA.md "Phase 2"): with set_matvec_mma(true) / DS4_GPU_MMA=1
+// (default off; CUDA builds only) every product whose weights mma_matvec_fits (Q8_0, Q4_K, F16,
+// BF16, K % 256 == 0) runs on mma_matvec.cuh's kernels at every width, dense, batched, in
+// matvec_multi and grouped; the rest keep the fp32 SIMT kernels at every width. So each product
+// has one arithmetic whatever the column count (width exactness, batch invariance hold per
+// setting), and the two settings differ in low bits: the switch is bit 11 of
+// matvec_settings_key. The tensor-core kernels take an optional scratch buffer (MatvecScratch)
+// for their fastest paths; the overloads below pass one, the ds4_gpu.h forms without it use a
+// lazily grown buffer of this module on the default stream outside graph capture, and none
+// elsewhere (the same bits, slower paths).
+//
+// Built without a GPU backend the header still compiles; the testing entry points then throw.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "ds4_gpu.h"
@@ -28,7 +43,40 @@ struct MatvecProduct {
   int64_t ldy = 0;
 };
 
+// Device scratch of the tensor-core products: the wide path's pre-split activations and the
+// K-slice partial sums (mma_matvec.cuh, mma_*_scratch_bytes). Used only during a call, in stream
+// order, so one buffer serves every product of a stream; 16-byte aligned; empty is allowed.
+struct MatvecScratch {
+  float* data = nullptr;
+  size_t bytes = 0;
+};
+
 #if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
+
+// The tensor-core switch, process-wide, read at launch (DS4_GPU_MMA=1 turns it on; default off
+// until measured). In a build without the tensor-core kernels (HIP) it stays off: the setter
+// changes nothing and the getter is false.
+void set_matvec_mma(bool on);
+bool matvec_mma();
+// Whether products of W take the tensor-core kernels now: the switch on and mma_matvec_fits(W). A
+// function of W and the switch only, never of the column count or the call.
+bool matvec_uses_mma(const TensorView& W);
+// Scratch (bytes) that lets a product of W with ncols columns (matvec, matvec_multi, a member of
+// matvec_batched) take the tensor-core kernels' fastest path; 0 where W is not theirs.
+size_t matvec_scratch_bytes(const TensorView& W, int ncols);
+// The same for matvec_grouped over a stack W with max_parts parts (the K-slice partials).
+size_t matvec_grouped_scratch_bytes(const TensorView& W, int max_parts);
+
+// ds4_gpu.h's matvec, matvec_batched and matvec_grouped with the tensor-core products' scratch
+// (unused by the SIMT products; the same bits with any scratch, or none).
+void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, Stream stream,
+            bool tall, int staged_min, const MatvecScratch& scratch);
+void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
+                    int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall,
+                    int staged_min, const MatvecScratch& scratch);
+void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
+                    const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
+                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch);
 
 // Every products[i] computed as matvec(W_i, X, ncols, ldx, Y_i, ldy_i, stream, tall, staged_min)
 // would compute it (the same bits), with fewer launches: the products matvec would send to its
@@ -36,9 +84,13 @@ struct MatvecProduct {
 // send to the staged kernel keep their own launches (they already stream X once per block), and
 // chunks of more than 8 columns run product by product. The W_i share K = ne[0] and may differ in
 // type and rows. n_products 0..8; no allocation and no host synchronisation (graph capture safe,
-// once matvec_prepare has run). Returns the kernel launches it made.
+// once matvec_prepare has run). With the tensor-core switch on, the products matvec_uses_mma takes
+// run one by one on mma_matvec (with `scratch`) and the others as above. Returns the launches it
+// made: the SIMT kernel launches, plus one for each tensor-core product (its activation pre-split
+// and K-slice fold, where the launcher takes them, are not counted).
 int matvec_multi(const MatvecProduct* products, int n_products, const float* X, int ncols, int64_t ldx,
-                 Stream stream, bool tall = false, int staged_min = kMatvecStagedMin);
+                 Stream stream, bool tall = false, int staged_min = kMatvecStagedMin,
+                 const MatvecScratch& scratch = MatvecScratch{});
 
 // The routed experts' gate and up products in one launch: for every pair p of the parts, with
 // g = Wg[expert(p)][r] . X[x_row[p]] and u = the same with Wu, G[p * ldy + r] = g and U[p * ldy + r]
@@ -46,8 +98,9 @@ int matvec_multi(const MatvecProduct* products, int n_products, const float* X, 
 // swiglu: silu(min(g, L)) * clamp(u, -L, L), no clamp for L <= 0). Arguments as matvec_grouped's.
 // Each g and u has the bits matvec_grouped gives it, so the result equals matvec_grouped twice
 // (then swiglu) bit for bit. Served by the own body (DS4_GPU_MV_GROUPED=1, the default) for Q4_K
-// stacks of one shape that it takes, parts run at most 4 columns wide; otherwise, and with fusion
-// off, it launches nothing and returns false: the caller makes the separate launches.
+// stacks of one shape that it takes, parts run at most 4 columns wide; otherwise, with fusion off,
+// and where either stack takes the tensor-core kernels (matvec_uses_mma), it launches nothing and
+// returns false: the caller makes the separate launches.
 bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const ExpertPart* parts, const int32_t* n_parts,
                          int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
                          float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols = 8);
@@ -79,6 +132,8 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const float
 // lane_ops.cu's swiglu kernel on host rows: G = swiglu(G, U) in place, rows x width.
 void swiglu(float* G, const float* U, int rows, int64_t width, float limit);
 void set_matvec_fuse(bool on);
+// set_matvec_mma(on); returns matvec_mma() after it (false where the build has no tensor-core kernels).
+bool set_matvec_mma(bool on);
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -91,6 +146,7 @@ inline bool matvec_grouped_pair(const TensorView&, const TensorView&, const floa
 }
 inline void swiglu(float*, const float*, int, int64_t, float) { no_backend(); }
 inline void set_matvec_fuse(bool) { no_backend(); }
+inline bool set_matvec_mma(bool) { no_backend(); }
 }  // namespace testing
 
 #endif
