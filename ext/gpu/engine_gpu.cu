@@ -17,7 +17,10 @@
 //   step_inputs: one int32 buffer refreshed by one host-to-device copy per step: 10 arrays of
 //     max_rows (lane slot, token, position, group, group start position; lane order by slot;
 //     group first, length, slot; logit lanes) then max_rows block-table rows of max_blocks;
-//   scratch: the activations (device_scratch below, each buffer rounded up to 256 bytes);
+//   scratch: the activations (device_scratch below, each buffer rounded up to 256 bytes), then,
+//     with the tensor-core switch on (DS4_GPU_MMA=1), the tensor-core products' scratch
+//     (mma_scratch_need below: the largest any product wants at max_rows columns, the grouped
+//     experts sized for at most kMmaGroupedScratchParts parts; rounded up to 256 bytes);
 //   weights_device: the GGUF file's bytes (tensor views point into it at their file offsets).
 #include "engine_gpu.h"
 
@@ -36,6 +39,7 @@
 #include "common.cuh"
 #include "ds4_gpu.h"
 #include "matvec_fused.h"
+#include "mma_matvec.cuh"
 #include "step_ops.h"
 
 namespace ds4::gpu {
@@ -101,6 +105,13 @@ constexpr uint64_t kLogitsPiece = 1ull << 20;
 constexpr uint64_t kScratchAlign = 256;
 constexpr int kGraphsDefaultMaxCtx = 4096;  // graph replay is on by default up to this max_ctx
 constexpr int kExpertPart = 8;  // pairs per part of the grouped expert products (matvec.cuh's kMaxPartCols)
+// The grouped experts' tensor-core scratch is sized for at most this many parts. The partial sums
+// of K-slices on separate blocks pay only while a launch is short of blocks: the launcher splits K
+// while row blocks x parts x slice groups stay within about 8 blocks an SM (mma_matvec.cu's
+// slice_groups), which on an H200 (132 SMs) means at most 16 parts for flash-l4's gate/up (32 row
+// blocks of 64) and 8 for its down (64). A call with more parts than the scratch covers folds its
+// slices in the block, as the launcher would choose for it anyway: the same bits.
+constexpr int kMmaGroupedScratchParts = 16;
 
 void check_config(const ModelConfig& c, const EngineOptions& o) {
   // The CPU engine's checks (ext/engine/plan_check.h), same messages.
@@ -141,6 +152,8 @@ struct GpuEngine::Impl {
   cudaStream_t stream = nullptr;
 
   DeviceMemory weights, rings, states, pages, inputs, arena;
+  DeviceMemory mma_scratch;  // the tensor-core products' scratch (allocated once the switch is seen on)
+  bool mma_sized = false;
   PinnedMemory pinned;
   PinnedMemory logits_host;             // grows to the largest logits download seen
   std::vector<cudaEvent_t> piece_done;  // one per kLogitsPiece of it
@@ -167,7 +180,8 @@ struct GpuEngine::Impl {
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
-  // the grouped variant, stages and width, and fusion).
+  // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
+  // choices; a graph of one tensor-core setting never replays under the other, whose bits differ).
   std::map<std::tuple<int, int, int, bool, bool, int>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -198,13 +212,26 @@ struct GpuEngine::Impl {
   void check_pages();
   void reset(int slot);
   void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
+  // Every product gets the one scratch buffer: the calls are stream-ordered, so they never
+  // overlap (the SIMT products ignore it).
+  MatvecScratch scratch() const {
+    return MatvecScratch{reinterpret_cast<float*>(mma_scratch.data()), static_cast<size_t>(mma_scratch.bytes())};
+  }
+  int staged_min() const { return staged ? kMatvecStagedMin : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
-    matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
+    matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min(), scratch());
   }
   // Products of one X, the step's n columns (matvec_multi: fused where DS4_GPU_MV_FUSE allows).
   void mvm(const MatvecProduct* ps, int m, const float* X, int64_t ldx) {
-    matvec_multi(ps, m, X, n, ldx, stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
+    matvec_multi(ps, m, X, n, ldx, stream, tall, staged_min(), scratch());
   }
+  // The expert-grouped product of a stack over this step's parts (n_pairs of them at most).
+  void mvg(const TensorView& W, int n_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y, int64_t ldy,
+           int part_cols) {
+    matvec_grouped(W, parts, n_parts, n_pairs, sorted_pairs, x_row, X, ldx, Y, ldy, stream, part_cols, scratch());
+  }
+  uint64_t mma_scratch_need() const;
+  void ensure_mma_scratch();
   void download_logits(float* out, uint64_t bytes);
   void download_argmax(int32_t* out);
   // logits_host holds at least `bytes` (grown after the stream is idle: the old buffer may still
@@ -293,6 +320,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   lanes.max_blocks = max_blocks;
 
   carve_scratch();
+  ensure_mma_scratch();
   order.resize(R);
   group_first.resize(R);
   group_len.resize(R);
@@ -429,6 +457,63 @@ void GpuEngine::Impl::carve_scratch() {
   std::vector<double> f;
   for (const auto& t : cfg.rope_inv_freqs) f.insert(f.end(), t.begin(), t.end());
   if (!f.empty()) DS4_GPU_CHECK(cudaMemcpy(inv_freq, f.data(), f.size() * 8, cudaMemcpyHostToDevice));
+}
+
+// The tensor-core scratch the engine's products need at their widest: every product of the step at
+// max_rows columns (the LM head has at most as many), the grouped experts at max_rows x
+// n_expert_used pairs but at most kMmaGroupedScratchParts parts. 0 with the switch off (and for
+// every product the tensor cores do not take). The launchers need less at fewer columns.
+uint64_t GpuEngine::Impl::mma_scratch_need() const {
+  const int R = opts.max_rows;
+  const int max_parts = static_cast<int>(std::min<int64_t>(static_cast<int64_t>(R) * cfg.n_expert_used,
+                                                           kMmaGroupedScratchParts));
+  size_t need = 0;
+  auto dense = [&](const TensorView& W) { need = std::max(need, matvec_scratch_bytes(W, R)); };
+  auto grouped = [&](const TensorView& W) { need = std::max(need, matvec_grouped_scratch_bytes(W, max_parts)); };
+  for (const LayerWeights& L : dw.layers) {
+    dense(L.hc_attn.fn);
+    dense(L.hc_ffn.fn);
+    dense(L.q_a);
+    dense(L.kv);
+    dense(L.q_b);
+    if (L.ratio > 0) {
+      dense(L.comp.kv);
+      dense(L.comp.gate);
+    }
+    if (L.ratio == 4) {
+      dense(L.idx_proj);
+      dense(L.idx_comp.kv);
+      dense(L.idx_comp.gate);
+      dense(L.idx_q_b);
+    }
+    TensorView wo_a_group = L.wo_a;  // one member of the grouped output projection's batch
+    wo_a_group.ne[1] = cfg.o_lora_rank;
+    dense(wo_a_group);
+    dense(L.wo_b);
+    dense(L.gate_inp);
+    grouped(L.gate_exps);
+    grouped(L.up_exps);
+    grouped(L.down_exps);
+    if (cfg.n_expert_shared == 1) {
+      dense(L.gate_sh);
+      dense(L.up_sh);
+      dense(L.down_sh);
+    }
+  }
+  dense(dw.hc_head.fn);
+  dense(dw.output);
+  return (static_cast<uint64_t>(need) + kScratchAlign - 1) / kScratchAlign * kScratchAlign;
+}
+
+// With the tensor-core switch on, their kernels' shared-memory limits are raised and the scratch
+// allocated once: at construction, or at the first step that sees the switch on (before any of its
+// launches or captures; the stream is idle between steps), never inside a step or a graph.
+void GpuEngine::Impl::ensure_mma_scratch() {
+  if (mma_sized || !matvec_mma()) return;
+  mma_prepare();
+  const uint64_t bytes = mma_scratch_need();
+  if (bytes > 0) mma_scratch = DeviceMemory(bytes);
+  mma_sized = true;
 }
 
 // The CPU engine's step checks (ext/engine/plan_check.h), same messages; also each lane's group
@@ -623,7 +708,7 @@ void GpuEngine::Impl::attention_layer(int l) {
   TensorView part = L.wo_a;
   part.ne[1] = ol;
   matvec_batched(part, static_cast<int>(G), ol * L.wo_a.row_bytes(), attn_out, gw, n, nh * hd, o_low, ol, G * ol,
-                 stream, tall, staged ? kMatvecStagedMin : kMatvecStagedOff);
+                 stream, tall, staged_min(), scratch());
   mv(L.wo_b, o_low, n, G * ol, y, d);
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
 }
@@ -644,15 +729,15 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // width: the kernel is sized for that (wider parts would still run, in pieces).
   const int part_cols = std::min<int>(n, kExpertPart);
   // Gate, up and SwiGLU in one launch where matvec_grouped_pair takes them (the same bits: each
-  // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches.
+  // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches
+  // (always with the tensor-core switch on: the pair declines stacks the tensor cores take).
   if (!matvec_grouped_pair(L.gate_exps, L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate,
                            nullptr, F, cfg.swiglu_clamp_exp[l], stream, part_cols)) {
-    matvec_grouped(L.gate_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate, F, stream, part_cols);
-    matvec_grouped(L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_up, F, stream, part_cols);
+    mvg(L.gate_exps, n_pairs, pair_row, u, d, ex_gate, F, part_cols);
+    mvg(L.up_exps, n_pairs, pair_row, u, d, ex_up, F, part_cols);
     swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
   }
-  matvec_grouped(L.down_exps, parts, n_parts, n_pairs, sorted_pairs, nullptr, ex_gate, F, ex_down, d, stream,
-                 part_cols);
+  mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols);
   const bool shared = cfg.n_expert_shared == 1;
   if (shared) {
     MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
@@ -729,6 +814,7 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
                      int max_blocks, float* logits_out, int32_t* argmax_out) {
   Impl& m = *impl_;
   if (n_lanes <= 0) return;
+  m.ensure_mma_scratch();  // the switch may have been turned on since construction
   m.validate_and_group(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks);
   m.n = n_lanes;
   m.pos = lane_pos;
@@ -950,7 +1036,8 @@ std::vector<std::pair<std::string, uint64_t>> GpuEngine::allocated_bytes() const
   return {
       {"rings", m.rings.bytes()},         {"compressor_state", m.states.bytes()},
       {"pages", m.pages.bytes()},         {"step_inputs", m.inputs.bytes()},
-      {"scratch", m.arena.bytes()},       {"weights_device", m.weights.bytes()},
+      {"scratch", m.arena.bytes() + m.mma_scratch.bytes()},
+      {"weights_device", m.weights.bytes()},
   };
 }
 

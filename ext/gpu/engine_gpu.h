@@ -16,6 +16,12 @@
 // on the other lanes, so a sequence's logits are bit-identical whatever shares its step and
 // however its prompt is split into rows.
 //
+// With the tensor-core switch on (DS4_GPU_MMA=1 or set_matvec_mma, matvec_fused.h; CUDA only,
+// default off) the products of Q8_0/Q4_K/F16/BF16 weights with K % 256 == 0 run on TF32 tensor
+// cores with hi/lo-split activations (ext/gpu/MMA.md): within ~1e-7 relative of the exact sums,
+// still one fixed arithmetic per column (the same batch invariance), but not the bits of the
+// switch-off run. The step's CUDA graphs are keyed by the switch.
+//
 // Built without a GPU backend this header still compiles: the constructor throws.
 #pragma once
 
@@ -58,7 +64,9 @@ class GpuEngine {
   void import_slot_state(int slot, const int32_t* block_table, int max_blocks, int64_t n_tokens,
                          const SlotStateExport& state);
   // Device bytes by section: "rings", "compressor_state", "pages", "step_inputs", "scratch",
-  // "weights_device" (ds4_app/engine/memory.py plan_device_memory computes the same).
+  // "weights_device" (ds4_app/engine/memory.py plan_device_memory computes the same). "scratch"
+  // includes the tensor-core products' scratch once the switch has been seen on (at construction
+  // or at a step); with the switch off it is the activations alone.
   std::vector<std::pair<std::string, uint64_t>> allocated_bytes() const;
   std::string device_name() const;
   // Replay one CUDA graph per shape bucket (lanes, slots in the step, logit lanes) instead of
