@@ -9,6 +9,8 @@ allocations are the CPU engine's paged state plus its own inputs, scratch and a 
 
 from __future__ import annotations
 
+import os
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from .config import PAGE_TOKENS, RING_ROWS, DS4Config
@@ -85,7 +87,8 @@ def plan_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_tokens:
 
 
 def plan_device_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_tokens: int | None = None,
-                       max_rows: int = 16, weights_bytes: int = 0) -> MemoryPlan:
+                       max_rows: int = 16, weights_bytes: int = 0,
+                       tensor_core_weights: Iterable[tuple[str, int, tuple[int, ...]]] | None = None) -> MemoryPlan:
     """The GPU engine's device allocations (``GpuEngine.allocated_bytes()`` equals these sections).
 
     rings, compressor_state and pages are ``plan_memory``'s (the same layout in device memory).
@@ -93,7 +96,9 @@ def plan_device_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_
 
     - step_inputs = (10 * R + R * B) * 4: the int32 arrays one host-to-device copy refreshes each
       step (ten per-lane or per-slot arrays, then up to R block-table rows).
-    - scratch = sum over ``_device_scratch_buffers`` of bytes rounded up to 256.
+    - scratch = sum over ``_device_scratch_buffers`` of bytes rounded up to 256, plus, when the
+      tensor-core products are on (``DS4_GPU_MMA``; pass the file's weights as
+      ``tensor_core_weights``: (name, ggml type, ne) each), ``tensor_core_scratch_bytes``.
     - weights_device = weights_bytes (the whole model file is copied to the device once).
     """
     host = plan_memory(cfg, max_slots=max_slots, max_ctx=max_ctx, kv_pool_tokens=kv_pool_tokens,
@@ -105,13 +110,67 @@ def plan_device_memory(cfg: DS4Config, *, max_slots: int, max_ctx: int, kv_pool_
         "pages": host.sections["pages"],
         "step_inputs": (10 * max_rows + max_rows * blocks) * 4,
         "scratch": sum(-(-b // _DEVICE_ALIGN) * _DEVICE_ALIGN
-                       for _, b in _device_scratch_buffers(cfg, max_rows, max_ctx)),
+                       for _, b in _device_scratch_buffers(cfg, max_rows, max_ctx))
+                   + (tensor_core_scratch_bytes(cfg, tensor_core_weights, max_rows)
+                      if tensor_core_weights is not None else 0),
         "weights_device": int(weights_bytes),
     }
     return MemoryPlan(sections=sections, n_pages=host.n_pages, total=sum(sections.values()))
 
 
 _DEVICE_ALIGN = 256
+
+# The tensor-core products (ext/gpu/mma_matvec.cuh, ext/gpu/MMA.md "Phase 2"): the weight types they
+# take (Q8_0, F16, Q4_K, BF16 as ggml type ids), and the expert parts the grouped scratch is sized for.
+_MMA_TYPES = frozenset({8, 1, 12, 30})
+_MMA_GROUPED_PARTS = 16  # engine_gpu.cu kMmaGroupedScratchParts
+
+
+def _mma_kslices(ne0: int, ne1: int) -> int:
+    """mma_kslices: how many pieces K is split into, from the shape alone."""
+    n256, tiles, ks = ne0 // 256, (ne1 + 63) // 64, 1
+    while ks < 16 and tiles * ks < 256 and n256 > 0 and n256 % (2 * ks) == 0:
+        ks *= 2
+    return ks
+
+
+def _mma_dense_bytes(ne0: int, ne1: int, ncols: int) -> int:
+    """mma_matvec_scratch_bytes: K-slice partials, and above 16 columns the split activations."""
+    ks = _mma_kslices(ne0, ne1)
+    part = ks * ncols * ne1 * 4 if ks > 1 else 0
+    if ncols <= 16:
+        return part
+    return -(-ncols // 64) * 64 * (2 * ne0 + ne0 // 32) * 4 + -(-part // _DEVICE_ALIGN) * _DEVICE_ALIGN
+
+
+def _mma_grouped_bytes(ne0: int, ne1: int, parts: int) -> int:
+    """mma_grouped_scratch_bytes: K-slice partials of up to ``parts`` expert parts of 8 columns."""
+    ks = _mma_kslices(ne0, ne1)
+    return ks * 8 * parts * ne1 * 4 if ks > 1 else 0
+
+
+def tensor_core_scratch_bytes(cfg: DS4Config, weights: Iterable[tuple[str, int, tuple[int, ...]]],
+                              max_rows: int) -> int:
+    """The one scratch buffer the GPU engine adds with the tensor-core products on: the largest any
+    product wants at max_rows columns (attn_output_a per group of o_lora_rank rows; expert stacks
+    for at most 16 parts), over the weights the tensor cores take, rounded up to 256 bytes."""
+    need = 0
+    for name, ggml_type, ne in weights:
+        if ggml_type not in _MMA_TYPES or ne[0] % 256 or name == "token_embd.weight" or "_ape." in name:
+            continue
+        if len(ne) == 3:
+            need = max(need, _mma_grouped_bytes(ne[0], ne[1], min(max_rows * cfg.n_expert_used, _MMA_GROUPED_PARTS)))
+        elif len(ne) == 2:
+            rows = ne[1] // cfg.o_groups if name.endswith("attn_output_a.weight") else ne[1]
+            need = max(need, _mma_dense_bytes(ne[0], rows, max_rows))
+    return -(-need // _DEVICE_ALIGN) * _DEVICE_ALIGN
+
+
+def tensor_cores_requested() -> bool:
+    """Whether ``DS4_GPU_MMA`` asks for the tensor-core products (the GPU module reads the same
+    variable once; under HIP it keeps them off, which ``Runner`` accounts for)."""
+    value = os.environ.get("DS4_GPU_MMA", "")
+    return value not in ("", "0")
 
 
 def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list[tuple[str, int]]:

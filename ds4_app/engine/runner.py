@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .config import DS4Config
-from .memory import MemoryPlan, plan_device_memory, plan_memory
+from .memory import MemoryPlan, plan_device_memory, plan_memory, tensor_cores_requested
 from .plan import StepLimits, StepPlan
 
 if TYPE_CHECKING:
@@ -83,10 +83,17 @@ class Runner:
         self.max_ctx = max_ctx
         self.max_rows = max_rows
         self.limits = limits
-        planner = plan_device_memory if backend in ("cuda", "hip") else plan_memory
-        self.memory_plan: MemoryPlan = planner(config, max_slots=max_slots, max_ctx=max_ctx,
-                                               kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
-                                               weights_bytes=model.file_size)
+        if backend in ("cuda", "hip"):
+            # The tensor-core products (DS4_GPU_MMA, CUDA only) add one scratch buffer.
+            tc = ([(t.name, t.ggml_type, tuple(t.ne)) for t in model.tensors.values()]
+                  if backend == "cuda" and tensor_cores_requested() else None)
+            self.memory_plan: MemoryPlan = plan_device_memory(
+                config, max_slots=max_slots, max_ctx=max_ctx, kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
+                weights_bytes=model.file_size, tensor_core_weights=tc)
+        else:
+            self.memory_plan = plan_memory(config, max_slots=max_slots, max_ctx=max_ctx,
+                                           kv_pool_tokens=kv_pool_tokens, max_rows=max_rows,
+                                           weights_bytes=model.file_size)
         self.n_pages = self.memory_plan.n_pages
         self.kv_pool_tokens = kv_pool_tokens
 

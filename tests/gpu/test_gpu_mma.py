@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 
 from ds4_app.engine.gguf_file import ModelFile
-from ds4_app.engine.memory import plan_device_memory
+from ds4_app.engine import memory
+from ds4_app.engine.memory import plan_device_memory, tensor_core_scratch_bytes
 from ds4_app.engine.plan import StepPlan
 from ds4_app.engine.presets import flash, tiny
 from ds4_app.engine.synth import synthesize
@@ -355,46 +356,12 @@ def test_the_switch_changes_nothing_without_supported_products(model_dir: Path, 
 #            of o_lora_rank rows),
 #   grouped: mma_grouped_scratch_bytes(W, min(max_rows * n_expert_used, 16)) over the expert stacks,
 # over the weights the tensor cores take (Q8_0, Q4_K, F16, BF16 with K % 256 == 0), rounded up to
-# 256 bytes; the formulas of mma_matvec.cu restated below.
-
-MMA_STORAGE = {Q8_0, Q4_K, F16, BF16}
-GROUPED_SCRATCH_PARTS = 16  # engine_gpu.cu kMmaGroupedScratchParts
-
-
-def mma_kslices(ne0: int, ne1: int) -> int:
-    n256, tiles, ks = ne0 // 256, (ne1 + 63) // 64, 1
-    while ks < 16 and tiles * ks < 256 and n256 > 0 and n256 % (2 * ks) == 0:
-        ks *= 2
-    return ks
-
-
-def mma_dense_bytes(ne0: int, ne1: int, ncols: int) -> int:
-    ks = mma_kslices(ne0, ne1)
-    part = ks * ncols * ne1 * 4 if ks > 1 else 0
-    if ncols <= 16:
-        return part
-    return -(-ncols // 64) * 64 * (2 * ne0 + ne0 // 32) * 4 + -(-part // 256) * 256
-
-
-def mma_grouped_bytes(ne0: int, ne1: int, parts: int) -> int:
-    ks = mma_kslices(ne0, ne1)
-    return ks * 8 * parts * ne1 * 4 if ks > 1 else 0
-
+# 256 bytes: ds4_app.engine.memory.tensor_core_scratch_bytes (mma_matvec.cu's formulas restated),
+# which the Runner's plan adds when DS4_GPU_MMA is set.
 
 def expected_mma_scratch(mf, max_rows: int) -> int:
-    cfg = mf.config
-    need = 0
-    for t in mf.tensors.values():
-        name = t.name
-        if t.ggml_type not in MMA_STORAGE or t.ne[0] % 256 or name == "token_embd.weight" or "_ape." in name:
-            continue
-        if len(t.ne) == 3:
-            need = max(need, mma_grouped_bytes(t.ne[0], t.ne[1],
-                                               min(max_rows * cfg.n_expert_used, GROUPED_SCRATCH_PARTS)))
-        elif len(t.ne) == 2:
-            rows = t.ne[1] // cfg.o_groups if name.endswith("attn_output_a.weight") else t.ne[1]
-            need = max(need, mma_dense_bytes(t.ne[0], rows, max_rows))
-    return -(-need // 256) * 256
+    return tensor_core_scratch_bytes(mf.config, [(t.name, t.ggml_type, tuple(t.ne)) for t in mf.tensors.values()],
+                                     max_rows)
 
 
 @pytest.mark.parametrize("max_rows", [7, 40])
@@ -431,6 +398,7 @@ def test_flash_shapes_of_the_scratch_formula() -> None:
     """The K-slice counts MMA.md lists for flash-l4 (q_a 16, kv 16, q_b 1, shared gate/up 8, down 4,
     LM head 1, routed gate/up 8, down 4), so the formulas above describe the kernels' shapes."""
     c = flash(4)
+    mma_kslices = memory._mma_kslices
     assert mma_kslices(c.n_embd, c.q_lora_rank) == 16
     assert mma_kslices(c.n_embd, c.head_dim) == 16
     assert mma_kslices(c.q_lora_rank, c.n_head * c.head_dim) == 1
