@@ -16,7 +16,9 @@
 // and each either folds all KS slices itself (PARTIALS false: the registers keep a running sum)
 // or computes slices [z gs, z gs + gs) (z = blockIdx.z, gs slices a block, a launch choice) and
 // writes each slice's sum to the partials (PARTIALS true, KS > 1; KS == 1 writes Y), which
-// mma_fold_kernel / mma_fold_grouped_kernel add in slice order. All give the same bits.
+// mma_fold_kernel / mma_fold_grouped_kernel add in slice order, or (FOLD true: the z blocks of a
+// tile are one thread-block cluster) the cluster's blocks add after a cluster barrier, each a
+// share of the tile's outputs, by the fold kernel's loop. All give the same bits.
 //
 // Fragment layout of mma.m16n8k8 .tf32 (PTX ISA, "Matrix Fragments for mma.m16n8k8", .tf32 type;
 // g = lane >> 2, t = lane & 3):
@@ -89,6 +91,21 @@ __device__ __forceinline__ void mma_tf32(float (&d)[4], uint32_t a0, uint32_t a1
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+#else
+  __trap();
+#endif
+}
+
+// Every block of the thread-block cluster has reached this point, and the global-memory writes
+// each thread made before it are visible to every thread of the cluster after it (arrive has
+// release semantics, wait acquire, at cluster scope; the __threadfence makes the partial sums
+// visible at device scope as well, since the blocks sit on different SMs). sm_90 only: the
+// launcher takes the inline fold only where the device runs clusters.
+__device__ __forceinline__ void cluster_barrier() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  __threadfence();
+  asm volatile("barrier.cluster.arrive.release.aligned;\n" ::: "memory");
+  asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 #else
   __trap();
 #endif
@@ -327,7 +344,10 @@ struct MmaArgs {
 // Chunks (stages of 128 k) [i0, i1) of rows row0 .. row0 + BR of Wm, the columns in `cols`; a
 // slice is spc chunks. PARTIALS: at the end of each slice s its sums go to partial s (ks > 1) or
 // to Y (ks == 1). Else [i0, i1) is all of K, the slices are folded in registers and then stored.
-template <DType T, int MT, int NT, int S, bool PARTIALS, bool PRESPLIT>
+// FOLD (with PARTIALS, ks > 1): the tile's slice groups are the gridDim.z blocks of one cluster
+// (cluster rank = blockIdx.z); after the partials are written, a cluster barrier, then this block
+// adds its share of the tile's outputs over all ks partials in slice order and stores them to Y.
+template <DType T, int MT, int NT, int S, bool PARTIALS, bool PRESPLIT, bool FOLD>
 __device__ __forceinline__ void mma_body(const MmaArgs& a, const uint8_t* __restrict__ Wm, int row0,
                                          const Cols<8 * NT>& cols, int i0, int i1, int spc, uint8_t* smem) {
   using G = Geo<T, MT, NT>;
@@ -594,10 +614,28 @@ __device__ __forceinline__ void mma_body(const MmaArgs& a, const uint8_t* __rest
   }
   ds4_cp_async_wait<0>();
   if constexpr (!PARTIALS) store(run, 0);
+  if constexpr (PARTIALS && FOLD) {
+    // mma_fold_kernel's loop for the tile's outputs: y = p_0, then y = y + p_s in slice order.
+    // Output o = column n (o / BR) x row (o % BR): consecutive threads read consecutive rows of a
+    // partial and write consecutive rows of Y. __ldcg: the partials were written during this
+    // launch (by other SMs), so they are read from L2, never from a non-coherent cache.
+    cluster_barrier();
+    const int64_t stride = a.pcols * a.rows;
+    const int zc = static_cast<int>(gridDim.z);
+    for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
+      const int n = o / BR, row = row0 + o % BR;
+      if (n >= cols.n || row >= a.rows) continue;
+      const float* q = a.part + cols.p[n] * a.rows + row;
+      float v = __ldcg(q);
+      for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
+      a.Y[cols.y[n] + row] = v;
+    }
+  }
 }
 
 // Dense: block (pass x, row block y, slice z). Grouped: block (row block x, part y, slice z).
-template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT>
+// FOLD: launched with clusters of (1, 1, gridDim.z) blocks (mma_body).
+template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT, bool FOLD>
 __global__ void __launch_bounds__(kThreads, mma_min_blocks(MT, NT)) mma_kernel(MmaArgs a) {
   extern __shared__ __align__(16) uint8_t mma_smem[];
   constexpr int NP = 8 * NT, BR = kWarps * MT * 16;
@@ -617,7 +655,7 @@ __global__ void __launch_bounds__(kThreads, mma_min_blocks(MT, NT)) mma_kernel(M
     }
     if (tid == 0) cols.n = a.ncols - c0 < NP ? a.ncols - c0 : NP;
     __syncthreads();
-    mma_body<T, MT, NT, S, PARTIALS, PRESPLIT>(a, a.W, row0, cols, i0, i1, spc, mma_smem);
+    mma_body<T, MT, NT, S, PARTIALS, PRESPLIT, FOLD>(a, a.W, row0, cols, i0, i1, spc, mma_smem);
   } else {
     const int p = static_cast<int>(blockIdx.y);
     if (p >= *a.n_parts) return;
@@ -636,7 +674,7 @@ __global__ void __launch_bounds__(kThreads, mma_min_blocks(MT, NT)) mma_kernel(M
       }
       if (tid == 0) cols.n = pt.count - c0 < NP ? pt.count - c0 : NP;
       __syncthreads();
-      mma_body<T, MT, NT, S, PARTIALS, PRESPLIT>(a, We, row0, cols, i0, i1, spc, mma_smem);
+      mma_body<T, MT, NT, S, PARTIALS, PRESPLIT, FOLD>(a, We, row0, cols, i0, i1, spc, mma_smem);
     }
   }
 }
@@ -725,6 +763,7 @@ __global__ void mma_probe_kernel(float* out) {
 struct MmaDevice {
   int sms = 132;
   int optin = 48 * 1024;
+  int max_cluster = 1;  // largest cluster every FOLD kernel can be launched with (1: no clusters)
 };
 MmaDevice g_dev;
 std::once_flag g_prepare_once;
@@ -735,28 +774,49 @@ bool g_config_env_read = false;
 MmaConfig config_now() {
   std::lock_guard<std::mutex> lock(g_config_mu);
   if (!g_config_env_read) {
-    // DS4_GPU_MMA_SLICES=0|1|2, DS4_GPU_MMA_WIDE=0|1, DS4_GPU_MMA_WIDE_NT=4|8 (benches; same bits).
+    // DS4_GPU_MMA_SLICES=0|1|2|3, DS4_GPU_MMA_WIDE=0|1, DS4_GPU_MMA_WIDE_NT=4|8,
+    // DS4_GPU_MMA_FOLD=launch|inline (benches; same bits).
     if (const char* e = std::getenv("DS4_GPU_MMA_SLICES")) g_config.slices = std::clamp(std::atoi(e), 0, 3);
     if (const char* e = std::getenv("DS4_GPU_MMA_WIDE")) g_config.wide = std::string(e) != "0";
     if (const char* e = std::getenv("DS4_GPU_MMA_WIDE_NT")) g_config.wide_nt = std::atoi(e) >= 8 ? 8 : 4;
+    if (const char* e = std::getenv("DS4_GPU_MMA_FOLD")) g_config.fold_inline = std::string(e) != "launch" && std::string(e) != "0";
     g_config_env_read = true;
   }
   return g_config;
 }
 
-template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT>
+template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT, bool FOLD = false>
 constexpr size_t smem_of() {
   return static_cast<size_t>(S) * Geo<T, MT, NT>::STAGE;
 }
 
-template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT>
+template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT, bool FOLD = false>
 void set_attr() {
-  const size_t smem = smem_of<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT>();
+  const size_t smem = smem_of<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT, FOLD>();
   if (smem > static_cast<size_t>(g_dev.optin))
     throw std::runtime_error("mma_matvec: a kernel needs " + std::to_string(smem) + " bytes of shared memory, the device allows " +
                              std::to_string(g_dev.optin));
-  DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&mma_kernel<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT>),
-                                     cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  const void* fn = reinterpret_cast<const void*>(&mma_kernel<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT, FOLD>);
+  DS4_GPU_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  if constexpr (FOLD) {
+    if (g_dev.max_cluster <= 1) return;
+    // Clusters of up to 16 (KS 16: q_a, kv) are "non-portable" (sm_90 allows them; the portable
+    // limit is 8). The largest this kernel can be co-scheduled with, at its shared memory, caps
+    // g_dev.max_cluster; a failed query keeps the portable 8.
+    int cap = 8;
+    if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t lc = {};
+      lc.gridDim = dim3(1, 1, 16);
+      lc.blockDim = dim3(kThreads, 1, 1);
+      lc.dynamicSmemBytes = smem;
+      int most = 0;
+      if (cudaOccupancyMaxPotentialClusterSize(&most, fn, &lc) == cudaSuccess && most > 0) cap = most;
+    }
+    (void)cudaGetLastError();  // a refused attribute or query is not an error of a later launch
+    int pow2 = 1;  // slice groups are powers of two
+    while (pow2 * 2 <= std::min(cap, 16)) pow2 *= 2;
+    g_dev.max_cluster = std::min(g_dev.max_cluster, pow2);
+  }
 }
 
 // Every instantiation the launchers use, per type.
@@ -764,25 +824,36 @@ template <DType T>
 void set_attrs_type() {
   set_attr<T, 1, 1, narrow_stages<T, 1>(), false, false, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false>();
+  set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false, true>();
   set_attr<T, 1, 2, narrow_stages<T, 2>(), false, false, false>();
   set_attr<T, 1, 2, narrow_stages<T, 2>(), true, false, false>();
+  set_attr<T, 1, 2, narrow_stages<T, 2>(), true, false, false, true>();
   set_attr<T, 2, 4, kWideStages, true, false, true>();
   set_attr<T, 2, 8, kWideStages, true, false, true>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), false, true, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, true, false>();
+  set_attr<T, 1, 1, narrow_stages<T, 1>(), true, true, false, true>();
 }
 
 void prepare_once() {
-  int dev = 0, sms = 0, optin = 0;
+  int dev = 0, sms = 0, optin = 0, cc = 0, cluster = 0;
   DS4_GPU_CHECK(cudaGetDevice(&dev));
   DS4_GPU_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev));
   if (cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev) != cudaSuccess || optin <= 0) {
     (void)cudaGetLastError();
     optin = 48 * 1024;
   }
+  if (cudaDeviceGetAttribute(&cc, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess ||
+      cudaDeviceGetAttribute(&cluster, cudaDevAttrClusterLaunch, dev) != cudaSuccess) {
+    (void)cudaGetLastError();
+    cc = cluster = 0;
+  }
   g_dev.sms = std::max(sms, 1);
   // Less the kernels' static shared memory (the column table, at most 1.6 KB) and a margin.
   g_dev.optin = optin - 2048;
+  // The FOLD kernels' barrier is sm_90 code (the build's -arch must be sm_90 or newer too: the
+  // module is built for one architecture, so a device of cc >= 9 runs sm_90+ code).
+  g_dev.max_cluster = cc >= 9 && cluster != 0 ? 16 : 1;
   set_attrs_type<DType::Q8_0>();
   set_attrs_type<DType::Q4_K>();
   set_attrs_type<DType::F16>();
@@ -798,6 +869,13 @@ int slice_groups(int ks, int64_t base, int slices) {
   int zc = ks;
   while (zc > 1 && base * zc > 8 * static_cast<int64_t>(g_dev.sms)) zc /= 2;
   return zc;
+}
+
+// The narrow and grouped launches: slice_groups, and in auto mode with the inline fold at most the
+// largest cluster the device runs (more slices a block instead of the fold launch).
+int slice_groups_narrow(int ks, int64_t base, const MmaConfig& cfg) {
+  const int zc = slice_groups(ks, base, cfg.slices);
+  return cfg.fold_inline && cfg.slices == 0 && g_dev.max_cluster > 1 ? std::min(zc, g_dev.max_cluster) : zc;
 }
 
 int64_t presplit_stride(int64_t K) { return 2 * K + K / 32; }
@@ -836,10 +914,33 @@ MmaArgs base_args(const TensorView& W, int ks) {
 
 template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT>
 void launch(dim3 grid, const MmaArgs& a, cudaStream_t s) {
-  mma_kernel<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT>
+  mma_kernel<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT, false>
       <<<grid, kThreads, smem_of<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT>(), s>>>(a);
   DS4_GPU_CHECK_LAUNCH("mma_kernel");
 }
+
+// The FOLD form of a narrow/grouped PARTIALS kernel: clusters of the grid's z blocks (one tile's
+// slice groups), which add the partials themselves (no fold launch).
+template <DType T, int MT, int NT, int S, bool GROUPED>
+void launch_fold(dim3 grid, const MmaArgs& a, cudaStream_t s) {
+  cudaLaunchConfig_t lc = {};
+  lc.gridDim = grid;
+  lc.blockDim = dim3(kThreads, 1, 1);
+  lc.dynamicSmemBytes = smem_of<T, MT, NT, S, true, GROUPED, false, true>();
+  lc.stream = s;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = 1;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = grid.z;
+  lc.attrs = attr;
+  lc.numAttrs = 1;
+  DS4_GPU_CHECK(cudaLaunchKernelEx(&lc, mma_kernel<T, MT, NT, S, true, GROUPED, false, true>, a));
+  DS4_GPU_CHECK_LAUNCH("mma_kernel (fold inline)");
+}
+
+// Whether a sliced narrow/grouped launch of zc slice groups folds in its clusters.
+bool fold_inline_for(const MmaConfig& cfg, int zc) { return cfg.fold_inline && zc > 1 && zc <= g_dev.max_cluster; }
 
 template <DType T>
 void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy, cudaStream_t s,
@@ -886,22 +987,25 @@ void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
   const int64_t rb = (rows + 63) / 64;
   // Slices on separate blocks (partials, then the fold) where the grid would otherwise be short.
   const bool room = scratch != nullptr && scratch_bytes >= part_bytes;
-  const int zc = slice_groups(ks, rb * passes, cfg.slices);
+  const int zc = slice_groups_narrow(ks, rb * passes, cfg);
   const bool par = ks > 1 && room && cfg.slices != 1 && zc > 1;
   a.part = scratch;
   a.pcols = ncols;
   a.gs = par ? ks / zc : ks;
   const dim3 grid(static_cast<unsigned>(passes), static_cast<unsigned>(rb), static_cast<unsigned>(par ? zc : 1));
+  const bool inl = par && fold_inline_for(cfg, zc);
   if (nt == 1) {
     constexpr int S = narrow_stages<T, 1>();
-    if (par) launch<T, 1, 1, S, true, false, false>(grid, a, s);
+    if (inl) launch_fold<T, 1, 1, S, false>(grid, a, s);
+    else if (par) launch<T, 1, 1, S, true, false, false>(grid, a, s);
     else launch<T, 1, 1, S, false, false, false>(grid, a, s);
   } else {
     constexpr int S = narrow_stages<T, 2>();
-    if (par) launch<T, 1, 2, S, true, false, false>(grid, a, s);
+    if (inl) launch_fold<T, 1, 2, S, false>(grid, a, s);
+    else if (par) launch<T, 1, 2, S, true, false, false>(grid, a, s);
     else launch<T, 1, 2, S, false, false, false>(grid, a, s);
   }
-  if (par) {
+  if (par && !inl) {
     mma_fold_kernel<<<dim3(static_cast<unsigned>((rows + 255) / 256), static_cast<unsigned>(ncols)), 256, 0, s>>>(
         scratch, ks, static_cast<int>(rows), ncols, Y, ldy);
     DS4_GPU_CHECK_LAUNCH("mma_fold_kernel");
@@ -929,14 +1033,16 @@ void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* 
   const size_t need = mma_grouped_scratch_bytes(W, max_parts);
   const int64_t rb = (rows + 63) / 64;
   const bool room = ks > 1 && scratch != nullptr && scratch_bytes >= need;
-  const int zc = slice_groups(ks, rb * max_parts, cfg.slices);
+  const int zc = slice_groups_narrow(ks, rb * max_parts, cfg);
   const bool par = room && cfg.slices != 1 && zc > 1;
   a.gs = par ? ks / zc : ks;
   const dim3 grid(static_cast<unsigned>(rb), static_cast<unsigned>(max_parts), static_cast<unsigned>(par ? zc : 1));
   constexpr int S = narrow_stages<T, 1>();
-  if (par) launch<T, 1, 1, S, true, true, false>(grid, a, s);
+  const bool inl = par && fold_inline_for(cfg, zc);
+  if (inl) launch_fold<T, 1, 1, S, true>(grid, a, s);
+  else if (par) launch<T, 1, 1, S, true, true, false>(grid, a, s);
   else launch<T, 1, 1, S, false, true, false>(grid, a, s);
-  if (par) {
+  if (par && !inl) {
     mma_fold_grouped_kernel<<<dim3(static_cast<unsigned>((rows + 255) / 256), static_cast<unsigned>(max_parts)), 256, 0, s>>>(
         scratch, ks, static_cast<int>(rows), a.pcols, parts, n_parts, sorted_pairs, Y, ldy);
     DS4_GPU_CHECK_LAUNCH("mma_fold_grouped_kernel");
@@ -1112,6 +1218,11 @@ int mma_decode_selftest(uint64_t seed, std::string* first) {
          selftest_type<DType::F16>(seed, first) + selftest_type<DType::BF16>(seed, first);
 }
 
+int mma_fold_cluster_limit() {
+  mma_prepare();
+  return g_dev.max_cluster;
+}
+
 int mma_layout_probe(std::string* first) {
   float* d = nullptr;
   DS4_GPU_CHECK(cudaMalloc(&d, 128 * sizeof(float)));
@@ -1162,6 +1273,7 @@ void mma_matvec_grouped(const TensorView&, const ExpertPart*, const int32_t*, in
 namespace testing {
 int mma_decode_selftest(uint64_t, std::string*) { unsupported("mma_decode_selftest"); }
 int mma_layout_probe(std::string*) { unsupported("mma_layout_probe"); }
+int mma_fold_cluster_limit() { return 1; }
 }  // namespace testing
 
 #endif

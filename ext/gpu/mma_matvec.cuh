@@ -91,10 +91,16 @@ int mma_kslices(const TensorView& W);
 //   wide:   passes of more than 16 columns use the wide kernel (activations pre-split into
 //           scratch, 2 m-tiles a warp) when scratch allows; false: 16-column narrow passes
 //   wide_nt: n-tiles of 8 columns a wide pass carries (4 or 8)
+//   fold_inline: where slices run on separate blocks of a narrow (<= 16 columns) or grouped call,
+//           those blocks form one thread-block cluster per tile and the last step of the kernel
+//           adds the tile's partial sums in slice order (sm_90 clusters; no second launch); false:
+//           the fold kernel, a second launch (phase 1/2's shape). Same additions in the same
+//           order either way. Where clusters are unavailable the fold kernel runs regardless.
 struct MmaConfig {
   int slices = 0;
   bool wide = true;
   int wide_nt = 4;
+  bool fold_inline = true;
 };
 void set_mma_config(const MmaConfig& c);
 MmaConfig mma_config();
@@ -141,6 +147,9 @@ int mma_decode_selftest(uint64_t seed, std::string* first);
 // compares D with the host's exact result. Returns the number of wrong elements; *first names
 // the first (row, column, got, want) when there is one.
 int mma_layout_probe(std::string* first);
+// The largest thread-block cluster the inline fold (MmaConfig::fold_inline) launches on this device
+// (after mma_prepare): 1 means no clusters, so every sliced call takes the fold kernel.
+int mma_fold_cluster_limit();
 }  // namespace testing
 
 }  // namespace ds4::gpu

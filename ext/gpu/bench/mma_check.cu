@@ -13,21 +13,24 @@
 //   decode       (host) every 128-k stage of random rows staged and decoded by the kernels' own
 //                functions, each weight equal to the CPU dequantizer's
 //   probe        one MMA with small integers: the fragment layout the kernels assume
-//   width        for Q8_0, Q4_K, F16, BF16 at three shapes (K-slices 1, 4, 8; rows not a multiple of
+//   width        for Q8_0, Q4_K, F16, BF16 at four shapes (K-slices 1, 4, 8, 16; rows not a multiple of
 //                16/64/128), ncols in {1,2,3,5,8,9,16,17,64,256}, under every launch configuration
-//                (auto, slices folded in the block, one or two slices a block + fold kernel, wide
-//                passes of 64, narrow passes only, no scratch): every column bit-identical to the 1-column run
-//                of that column, also with the columns permuted; the padding of Y untouched
+//                (auto, slices folded in the block, one or two slices a block, each with the partials
+//                added inline by the tile's cluster and by the fold kernel, wide passes of 64, narrow
+//                passes only, no scratch): every column bit-identical to the 1-column run of that
+//                column under phase 2's launch shape (fold kernel), also with the columns permuted;
+//                the padding of Y untouched
 //   grouped      random routings (1, 4, 8, 64 lanes x 6 routes over 16 experts, parts of <= 8 and
 //                <= 3), each configuration: every pair bit-identical to mma_matvec of its expert on
-//                its column alone; x_row null too
+//                its column alone (fold kernel); x_row null too
 //   determinism  the same call twice, bit-identical
 //   accuracy     against float64 dot products of the CPU dequantizer's weights (ext/cpu/quant.cpp):
 //                |y - ref| <= 1e-5 * sum_k |w_k x_k| (+1e-30) per output; the worst ratio printed,
 //                the old matvec's beside it
 // Bench (d): the flash-l4 Q8_0 shapes at 1, 2, 4, 8, 16 and 256 columns and the grouped Q4_K
 // experts (256 experts, 1/4/8/256 lanes x 6 routes), the old matvec / matvec_grouped beside
-// mma_matvec / mma_matvec_grouped: median of 20 replays of a CUDA graph (after warm-up), weights
+// mma_matvec / mma_matvec_grouped (default: partials added inline) and, where a call splits K over
+// blocks, mma with the fold kernel (phase 2's shape): median of 20 replays of a CUDA graph (after warm-up), weights
 // rotated over >= 512 MB of copies so they come from HBM. One JSON line per measurement to
 // OUT/mma_bench.jsonl, a summary to stdout.
 #include <algorithm>
@@ -228,15 +231,21 @@ struct Config {
   g::MmaConfig cfg;
   bool scratch;
 };
+// kConfigs[0] is the default; kReference the launch shape of phase 2 (slices on separate blocks
+// added by the fold kernel), the reference every configuration is compared with bit for bit.
 const Config kConfigs[] = {
-    {"auto", {0, true, 4}, true},
-    {"slices-in-block", {1, true, 4}, true},
-    {"slice-per-block", {2, true, 4}, true},
-    {"two-slices-per-block", {3, true, 4}, true},
-    {"wide-nt8", {0, true, 8}, true},
-    {"narrow-only", {0, false, 4}, true},
-    {"no-scratch", {0, true, 4}, false},
+    {"auto", {0, true, 4, true}, true},
+    {"fold-launch", {0, true, 4, false}, true},
+    {"slices-in-block", {1, true, 4, true}, true},
+    {"slice-per-block", {2, true, 4, true}, true},
+    {"slice-per-block fold-launch", {2, true, 4, false}, true},
+    {"two-slices-per-block", {3, true, 4, true}, true},
+    {"two-slices-per-block fold-launch", {3, true, 4, false}, true},
+    {"wide-nt8", {0, true, 8, true}, true},
+    {"narrow-only", {0, false, 4, true}, true},
+    {"no-scratch", {0, true, 4, true}, false},
 };
+const g::MmaConfig kReference{0, true, 4, false};
 
 // First element where got differs from want (bitwise) among n columns of rows (stride ldy);
 // also the padding rows..ldy must still hold the sentinel. Returns false and prints on a mismatch.
@@ -303,8 +312,8 @@ void check_dense(DType t, Shape sh, const std::vector<int>& widths, bool quick, 
   char tag[160];
   std::snprintf(tag, sizeof(tag), "%s K=%" PRId64 " rows=%" PRId64 " (KS %d)", ds4::dtype_name(t), K, rows, g::mma_kslices(W));
 
-  // The 1-column runs: the reference of every width.
-  g::set_mma_config(kConfigs[0].cfg);
+  // The 1-column runs under phase 2's launch shape: the reference of every width and configuration.
+  g::set_mma_config(kReference);
   ys.fill_sentinel();
   for (int c = 0; c < kCols; ++c)
     g::mma_matvec(W, xd.as<float>() + static_cast<int64_t>(c) * ldx, 1, ldx, ys.as<float>() + static_cast<int64_t>(c) * ldy, ldy,
@@ -453,8 +462,8 @@ void check_grouped(DType t, Shape sh, int n_expert, const std::vector<int>& lane
       xr.upload(routes.lane.data(), n_pairs * sizeof(int32_t));
       g::build_expert_parts(pe.as<int32_t>(), n_pairs, n_expert, max_part, sorted.as<int32_t>(), parts.as<g::ExpertPart>(),
                             nparts.as<int32_t>(), nullptr);
-      // References: pair p alone = mma_matvec of its expert on its lane's column.
-      g::set_mma_config(kConfigs[0].cfg);
+      // References: pair p alone = mma_matvec of its expert on its lane's column (phase 2's shape).
+      g::set_mma_config(kReference);
       ys.fill_sentinel();
       for (int p = 0; p < n_pairs; ++p)
         g::mma_matvec(W.expert(routes.expert[p]), xd.as<float>() + static_cast<int64_t>(routes.lane[p]) * ldx, 1, ldx,
@@ -505,8 +514,12 @@ void check_grouped(DType t, Shape sh, int n_expert, const std::vector<int>& lane
 int run_checks(bool quick, Rng& rng) {
   DeviceMem scratch(kScratchBytes);
   check_probe();
-  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{1024, 200}, {512, 16400}}
-                                          : std::vector<Shape>{{1024, 200}, {2048, 1000}, {512, 16400}};
+  const int cl = g::testing::mma_fold_cluster_limit();
+  std::printf("%s  fold inline: clusters of up to %d blocks (KS 16 takes 16 for one slice a block; 1: no clusters, so the\n"
+              "      inline configurations run the fold kernel and check nothing new)\n",
+              cl > 1 ? "note" : "WARN", cl);
+  const std::vector<Shape> shapes = quick ? std::vector<Shape>{{1024, 200}, {4096, 520}, {512, 16400}}
+                                          : std::vector<Shape>{{1024, 200}, {2048, 1000}, {4096, 520}, {512, 16400}};
   const std::vector<int> widths = quick ? std::vector<int>{1, 3, 9, 17, 64} : std::vector<int>{1, 2, 3, 5, 8, 9, 16, 17, 64, 256};
   for (DType t : {DType::Q8_0, DType::Q4_K, DType::F16, DType::BF16})
     for (const Shape& s : shapes) check_dense(t, s, widths, quick, rng, scratch);
@@ -605,6 +618,14 @@ struct Row {
 
 std::FILE* g_json = nullptr;
 
+// "12.3 us", or "-" for a time not taken (0).
+std::string us_or_dash(double seconds) {
+  if (!(seconds > 0.0)) return "-";
+  char b[32];
+  std::snprintf(b, sizeof(b), "%.1f us", seconds * 1e6);
+  return b;
+}
+
 void emit(const Row& r) {
   if (g_json != nullptr) {
     std::fprintf(g_json,
@@ -653,6 +674,18 @@ void bench_dense(const std::string& name, int64_t K, int64_t rows, std::vector<R
     const double s_new = time_op([&](cudaStream_t st, int i) {
       g::mma_matvec(ws.at(i), x.as<float>(), nc, K, y2.as<float>(), rows, st, scratch.as<float>(), sb);
     });
+    // The fold kernel instead (phase 2's launch shape) where the call splits K over blocks.
+    double s_launch = 0.0;
+    if (nc <= 16 && g::mma_kslices(ws.base) > 1) {
+      const g::MmaConfig keep = g::mma_config();
+      g::MmaConfig fl = keep;
+      fl.fold_inline = false;
+      g::set_mma_config(fl);
+      s_launch = time_op([&](cudaStream_t st, int i) {
+        g::mma_matvec(ws.at(i), x.as<float>(), nc, K, y2.as<float>(), rows, st, scratch.as<float>(), sb);
+      });
+      g::set_mma_config(keep);
+    }
     // One more call of each on copy 0, then the sanity comparison.
     g::matvec(ws.at(0), x.as<float>(), nc, K, y.as<float>(), rows, nullptr, tall);
     g::mma_matvec(ws.at(0), x.as<float>(), nc, K, y2.as<float>(), rows, nullptr, scratch.as<float>(), sb);
@@ -670,6 +703,11 @@ void bench_dense(const std::string& name, int64_t K, int64_t rows, std::vector<R
     emit(rn);
     out.push_back(ro);
     out.push_back(rn);
+    if (s_launch > 0.0) {
+      const Row rl{"dense", name, "mma-fold-launch", K, rows, nc, s_launch * 1e6, wbytes / s_launch / 1e9, flops / s_launch / 1e12, 0.0};
+      emit(rl);
+      out.push_back(rl);
+    }
     if (nc == 256) {  // the wide passes of 64 beside the default 32
       const g::MmaConfig keep = g::mma_config();
       g::MmaConfig c8 = keep;
@@ -683,8 +721,9 @@ void bench_dense(const std::string& name, int64_t K, int64_t rows, std::vector<R
       emit(r8);
       out.push_back(r8);
     }
-    std::printf("  %-28s ncols %3d: matvec %9.1f us   mma %9.1f us   x%.2f   mma %7.1f GB/s %7.2f TFLOP/s\n", name.c_str(), nc,
-                s_old * 1e6, s_new * 1e6, s_old / s_new, wbytes / s_new / 1e9, flops / s_new / 1e12);
+    std::printf("  %-28s ncols %3d: matvec %9.1f us   mma %9.1f us   x%.2f   mma %7.1f GB/s %7.2f TFLOP/s   fold-launch %s\n",
+                name.c_str(), nc, s_old * 1e6, s_new * 1e6, s_old / s_new, wbytes / s_new / 1e9, flops / s_new / 1e12,
+                us_or_dash(s_launch).c_str());
     std::fflush(stdout);
   }
 }
@@ -740,11 +779,21 @@ void bench_grouped(const std::string& name, int64_t K, int64_t rows, const std::
       g::matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K, y.as<float>(),
                         rows, st, maxc);
     });
-    const double s_new = time_op([&](cudaStream_t st, int i) {
+    auto run_new = [&](cudaStream_t st, int i) {
       const int k = i % kSets;
       g::mma_matvec_grouped(ws.at(i), parts[k], nparts[k], n_pairs, sorted[k], xr.as<int32_t>(), x.as<float>(), K,
                             y2.as<float>(), rows, st, maxc, sb ? scratch.as<float>() : nullptr, sb);
-    });
+    };
+    const double s_new = time_op(run_new);
+    double s_launch = 0.0;  // the fold kernel instead, where the sliced path is taken (scratch given)
+    if (sb > 0) {
+      const g::MmaConfig keep = g::mma_config();
+      g::MmaConfig fl = keep;
+      fl.fold_inline = false;
+      g::set_mma_config(fl);
+      s_launch = time_op(run_new);
+      g::set_mma_config(keep);
+    }
     g::matvec_grouped(ws.at(0), parts[0], nparts[0], n_pairs, sorted[0], xr.as<int32_t>(), x.as<float>(), K, y.as<float>(), rows,
                       nullptr, maxc);
     g::mma_matvec_grouped(ws.at(0), parts[0], nparts[0], n_pairs, sorted[0], xr.as<int32_t>(), x.as<float>(), K, y2.as<float>(),
@@ -762,8 +811,14 @@ void bench_grouped(const std::string& name, int64_t K, int64_t rows, const std::
     emit(rn);
     out.push_back(ro);
     out.push_back(rn);
-    std::printf("  %-28s lanes %3d: matvec %9.1f us   mma %9.1f us   x%.2f   mma %7.1f GB/s %7.2f TFLOP/s\n", name.c_str(), lanes,
-                s_old * 1e6, s_new * 1e6, s_old / s_new, bytes / s_new / 1e9, flops / s_new / 1e12);
+    if (s_launch > 0.0) {
+      const Row rl{"grouped", name, "mma-fold-launch", K, rows, lanes, s_launch * 1e6, bytes / s_launch / 1e9, flops / s_launch / 1e12, 0.0};
+      emit(rl);
+      out.push_back(rl);
+    }
+    std::printf("  %-28s lanes %3d: matvec %9.1f us   mma %9.1f us   x%.2f   mma %7.1f GB/s %7.2f TFLOP/s   fold-launch %s\n",
+                name.c_str(), lanes, s_old * 1e6, s_new * 1e6, s_old / s_new, bytes / s_new / 1e9, flops / s_new / 1e12,
+                us_or_dash(s_launch).c_str());
     std::fflush(stdout);
   }
 }
@@ -796,13 +851,18 @@ int run_bench(const std::string& out_dir, bool quick) {
   if (g_json != nullptr) std::fclose(g_json);
   g_json = nullptr;
 
-  std::printf("\nsummary (us a call; mma speedup over the old kernel; mma weight GB/s and useful TFLOP/s):\n");
+  std::printf("\nsummary (us a call; mma speedup over the old kernel; mma weight GB/s and useful TFLOP/s; mma with\n"
+              "the fold kernel, phase 2's launch shape, where the call splits K over blocks):\n");
   for (size_t i = 0; i + 1 < rows.size(); ++i) {
     const Row& o = rows[i];
     if (o.impl != "matvec") continue;
     const Row& n = rows[i + 1];
-    std::printf("  %-8s %-30s %s %4d  old %10.1f  mma %10.1f  x%6.2f  %7.1f GB/s  %6.2f TFLOP/s\n", o.bench.c_str(), o.shape.c_str(),
-                o.bench == "grouped" ? "lanes" : "cols ", o.ncols, o.us, n.us, o.us / n.us, n.gbs, n.tflops);
+    const bool fl = i + 2 < rows.size() && rows[i + 2].impl == "mma-fold-launch";
+    char launch[48] = "";
+    if (fl) std::snprintf(launch, sizeof(launch), "  fold-launch %10.1f", rows[i + 2].us);
+    std::printf("  %-8s %-30s %s %4d  old %10.1f  mma %10.1f  x%6.2f  %7.1f GB/s  %6.2f TFLOP/s%s\n", o.bench.c_str(),
+                o.shape.c_str(), o.bench == "grouped" ? "lanes" : "cols ", o.ncols, o.us, n.us, o.us / n.us, n.gbs, n.tflops,
+                launch);
   }
   std::printf("JSON: %s\n", path.c_str());
   if (sanity_bad) report(false, true, "bench runs: " + std::to_string(sanity_bad) + " mma outputs far from the old kernel's");
