@@ -681,12 +681,13 @@ int matvec_settings_key() {
   // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h),
   // 11 tensor cores; with them on, their launch choices (mma_matvec.cuh's MmaConfig, the same bits
   // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
-  // 15 wide passes of 8 n-tiles.
+  // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch).
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
             grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10;
   if (mma_on()) {
     const MmaConfig c = mma_config();
-    key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15;
+    key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15 |
+           (c.fold_inline ? 1 : 0) << 16;
   }
   return key;
 }
