@@ -38,6 +38,7 @@
 
 #include "common.cuh"
 #include "ds4/kernels.h"
+#include "bench_host.h"
 #include "ds4_gpu.h"
 #include "matvec.cuh"
 #include "matvec_fused.h"
@@ -58,35 +59,11 @@ void report(bool ok, const std::string& what) {
 
 // --- host data -------------------------------------------------------------------------------
 
-uint16_t f32_to_f16(float f) {  // round to nearest even; the generators stay in normal range
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (ax < 0x38800000u) {
-    float a;
-    std::memcpy(&a, &ax, 4);
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
-  }
-  uint32_t h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-}
-
 float f16_to_f32(uint16_t h) {
   float out;
   ds4::dequantize_row(DType::F16, reinterpret_cast<const uint8_t*>(&h), &out, 1);
   return out;
 }
-
-struct Rng {
-  std::mt19937_64 gen;
-  explicit Rng(uint64_t seed) : gen(seed) {}
-  double uniform(double a, double b) { return std::uniform_real_distribution<double>(a, b)(gen); }
-  float normal() { return static_cast<float>(std::normal_distribution<double>(0.0, 1.0)(gen)); }
-  int integer(int a, int b) { return std::uniform_int_distribution<int>(a, b)(gen); }
-};
 
 int64_t elems_per_block(DType t) { return ds4::block_elems(t); }
 
@@ -173,16 +150,6 @@ std::vector<uint8_t> fast_weights(DType t, int64_t K, int64_t rows, uint64_t see
 std::vector<float> random_floats(size_t n, Rng& rng) {
   std::vector<float> v(n);
   for (auto& x : v) x = rng.normal();
-  return v;
-}
-
-TensorView view(DType t, int64_t K, int64_t rows, const void* data, int64_t experts = 1) {
-  TensorView v;
-  v.type = t;
-  v.ne[0] = K;
-  v.ne[1] = rows;
-  v.ne[2] = experts;
-  v.data = static_cast<const uint8_t*>(data);
   return v;
 }
 
@@ -284,26 +251,6 @@ void check_staged(DType t, int64_t K, int64_t rows, const std::vector<int>& widt
   std::snprintf(buf, sizeof(buf), "matvec %-5s K=%-5" PRId64 " rows=%-5" PRId64 " staged == direct at %zu widths + default (%d mismatching columns, %d unwritten)",
                 ds4::dtype_name(t), K, rows, widths.size(), bad, unwritten);
   report(bad == 0 && unwritten == 0, buf);
-}
-
-// Each of n_lanes lanes routed to per_lane distinct experts of n_expert, drawn at random: the
-// pairs' experts and lanes, lane by lane. fold > 0: expert ids taken mod fold (fewer experts, so
-// parts gather several lanes).
-struct Routes {
-  std::vector<int32_t> expert, lane;
-};
-Routes random_routes(int n_lanes, int n_expert, int per_lane, int fold, Rng& rng) {
-  Routes r;
-  for (int l = 0; l < n_lanes; ++l) {
-    std::vector<int> ex(n_expert);
-    for (int e = 0; e < n_expert; ++e) ex[e] = e;
-    std::shuffle(ex.begin(), ex.end(), rng.gen);
-    for (int j = 0; j < per_lane; ++j) {
-      r.expert.push_back(fold > 0 ? ex[j] % fold : ex[j]);
-      r.lane.push_back(l);
-    }
-  }
-  return r;
 }
 
 // Expert-grouped product: each pair bit-identical to the single-column product of its expert.
@@ -730,11 +677,6 @@ struct DeviceMem {
     return static_cast<T*>(p);
   }
 };
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Median seconds per launch: `per_graph` launches captured in one graph, replayed `reps` times.
 double time_launches(const std::function<void(cudaStream_t, int)>& launch, int per_graph, int reps) {

@@ -48,6 +48,7 @@
 
 #include "common.cuh"
 #include "ds4/kernels.h"
+#include "bench_host.h"
 #include "ds4_gpu.h"
 #include "mma_matvec.cuh"
 
@@ -67,35 +68,11 @@ void report(bool ok, bool exactness, const std::string& what) {
 
 // --- host data ------------------------------------------------------------------------------------
 
-uint16_t f32_to_f16(float f) {  // round to nearest even; normal and subnormal range
-  uint32_t x;
-  std::memcpy(&x, &f, 4);
-  const uint32_t sign = (x >> 16) & 0x8000u, ax = x & 0x7fffffffu;
-  if (ax >= 0x477ff000u) return static_cast<uint16_t>(sign | 0x7c00u);
-  if (ax < 0x38800000u) {
-    float a;
-    std::memcpy(&a, &ax, 4);
-    return static_cast<uint16_t>(sign | static_cast<uint32_t>(std::nearbyint(a * 16777216.0f)));
-  }
-  uint32_t h = (((ax >> 23) - 112) << 10) | ((ax & 0x7fffffu) >> 13);
-  const uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) ++h;
-  return static_cast<uint16_t>(sign | h);
-}
-
 uint16_t f32_to_bf16(float f) {
   uint32_t u;
   std::memcpy(&u, &f, 4);
   return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
-
-struct Rng {
-  std::mt19937_64 gen;
-  explicit Rng(uint64_t seed) : gen(seed) {}
-  double uniform(double a, double b) { return std::uniform_real_distribution<double>(a, b)(gen); }
-  float normal() { return static_cast<float>(std::normal_distribution<double>(0.0, 1.0)(gen)); }
-  int integer(int a, int b) { return std::uniform_int_distribution<int>(a, b)(gen); }
-};
 
 // Valid weights with realistic scales: Q8_0 |d| in [1e-3, 2e-2] (both signs), random int8; Q4_K
 // random 6-bit scales and mins, d in [1e-4, 2e-3], dmin = d * [0.5, 10]; F16/BF16 normal * 0.05
@@ -177,16 +154,6 @@ void fill_column(float* x, int64_t K, int c, Rng& rng) {
     if (rng.integer(0, 99) == 0) x[k] *= 50.0f;
     x[k] *= scale;
   }
-}
-
-TensorView view(DType t, int64_t K, int64_t rows, const void* data, int64_t experts = 1) {
-  TensorView v;
-  v.type = t;
-  v.ne[0] = K;
-  v.ne[1] = rows;
-  v.ne[2] = experts;
-  v.data = static_cast<const uint8_t*>(data);
-  return v;
 }
 
 uint32_t bits_of(float f) {
@@ -421,23 +388,6 @@ void check_dense(DType t, Shape sh, const std::vector<int>& widths, bool quick, 
   report(bad == 0, false, buf + first_bad);
 }
 
-struct Routes {
-  std::vector<int32_t> expert, lane;
-};
-Routes random_routes(int n_lanes, int n_expert, int per_lane, int fold, Rng& rng) {
-  Routes r;
-  for (int l = 0; l < n_lanes; ++l) {
-    std::vector<int> ex(n_expert);
-    for (int e = 0; e < n_expert; ++e) ex[e] = e;
-    std::shuffle(ex.begin(), ex.end(), rng.gen);
-    for (int j = 0; j < per_lane; ++j) {
-      r.expert.push_back(fold > 0 ? ex[j] % fold : ex[j]);
-      r.lane.push_back(l);
-    }
-  }
-  return r;
-}
-
 // Grouped: every pair equal to the single-column mma_matvec of its expert, every configuration.
 void check_grouped(DType t, Shape sh, int n_expert, const std::vector<int>& lane_counts, Rng& rng, DeviceMem& scratch) {
   const int64_t K = sh.K, rows = sh.rows, ldx = K + 4, ldy = rows + 3;
@@ -532,11 +482,6 @@ int run_checks(bool quick, Rng& rng) {
 }
 
 // --- bench ----------------------------------------------------------------------------------------------
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v[v.size() / 2];
-}
 
 // Seconds per call: op(s, i) captured `per` times into one graph (per chosen so a replay takes
 // about 2 ms), replayed 3 times to warm up, then 20 timed replays; the median.
