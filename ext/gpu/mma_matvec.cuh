@@ -96,11 +96,13 @@ int mma_kslices(const TensorView& W);
 //           adds the tile's partial sums in slice order (sm_90 clusters; no second launch); false:
 //           the fold kernel, a second launch (phase 1/2's shape). Same additions in the same
 //           order either way. Where clusters are unavailable the fold kernel runs regardless.
+//           Off by default: on the H200 the cluster kernels ran slower than kernel + fold launch
+//           (flash-l4 C=1 decode 468.7 against 495.7 tok/s; MMA.md "Phase 3: measured").
 struct MmaConfig {
   int slices = 0;
   bool wide = true;
   int wide_nt = 4;
-  bool fold_inline = true;
+  bool fold_inline = false;
 };
 void set_mma_config(const MmaConfig& c);
 MmaConfig mma_config();
