@@ -1,5 +1,6 @@
 // Host-side helpers the device harness (harness.cu) and the tensor-core check (mma_check.cu)
-// share: f16 rounding, a seeded generator, weight views, random expert routings, medians.
+// share: f16 rounding, a seeded generator, fast timing weights, weight views, random expert
+// routings, medians.
 // Header-only, in an unnamed namespace: each program has its own copy and nothing to link.
 #pragma once
 
@@ -67,6 +68,33 @@ Routes random_routes(int n_lanes, int n_expert, int per_lane, int fold, Rng& rng
     }
   }
   return r;
+}
+
+// Fast random weights for timing (hundreds of MB): random bytes, then every scale field and
+// float exponent forced into a sane range (no inf/NaN; speed does not depend on the values).
+std::vector<uint8_t> fast_weights(ds4::DType t, int64_t K, int64_t rows, uint64_t seed) {
+  const int64_t nb = K / ds4::block_elems(t) * rows, bb = ds4::block_bytes(t);
+  std::vector<uint8_t> w(static_cast<size_t>(nb * bb));
+  uint64_t z = seed;
+  for (size_t i = 0; i + 8 <= w.size(); i += 8) {  // splitmix64
+    uint64_t r = (z += 0x9e3779b97f4a7c15ull);
+    r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
+    r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
+    r ^= r >> 31;
+    std::memcpy(&w[i], &r, 8);
+  }
+  uint8_t* p = w.data();
+  for (int64_t b = 0; b < nb; ++b, p += bb) {
+    switch (t) {
+      case ds4::DType::F32: p[3] &= 0xbf; break;                         // exponent < 128: |x| < 2
+      case ds4::DType::F16: case ds4::DType::BF16: p[1] &= 0xbf; break;  // likewise
+      case ds4::DType::Q8_0: p[1] = 0x1c | (p[1] & 0x80); break;         // |d| in [2^-8, 2^-7)
+      case ds4::DType::Q4_K: p[1] = 0x18; p[3] = 0x18; break;            // d, dmin in [2^-9, 2^-8)
+      case ds4::DType::MXFP4: p[0] = static_cast<uint8_t>(118 + p[0] % 12); break;
+      default: break;
+    }
+  }
+  return w;
 }
 
 double median(std::vector<double> v) {

@@ -116,29 +116,6 @@ std::vector<uint8_t> random_weights(DType t, int64_t K, int64_t rows, Rng& rng) 
   return w;
 }
 
-// Timing weights (hundreds of MB): random bytes, every scale field forced into a sane range.
-std::vector<uint8_t> fast_weights(DType t, int64_t K, int64_t rows, uint64_t seed) {
-  const int64_t nb = K / ds4::block_elems(t) * rows, bb = ds4::block_bytes(t);
-  std::vector<uint8_t> w(static_cast<size_t>(nb * bb));
-  uint64_t z = seed;
-  for (size_t i = 0; i + 8 <= w.size(); i += 8) {  // splitmix64
-    uint64_t r = (z += 0x9e3779b97f4a7c15ull);
-    r = (r ^ (r >> 30)) * 0xbf58476d1ce4e5b9ull;
-    r = (r ^ (r >> 27)) * 0x94d049bb133111ebull;
-    r ^= r >> 31;
-    std::memcpy(&w[i], &r, 8);
-  }
-  uint8_t* p = w.data();
-  for (int64_t b = 0; b < nb; ++b, p += bb) {
-    switch (t) {
-      case DType::F16: case DType::BF16: p[1] &= 0xbf; break;
-      case DType::Q8_0: p[1] = 0x1c | (p[1] & 0x80); break;  // |d| in [2^-8, 2^-7)
-      case DType::Q4_K: p[1] = 0x18; p[3] = 0x18; break;     // d, dmin in [2^-9, 2^-8)
-      default: break;
-    }
-  }
-  return w;
-}
 
 // Activation column c: normal, with columns of large (x1e3) and small (x1e-3) magnitude, spikes
 // (x50 on 1% of elements), a one-hot column and an all-zero column.
