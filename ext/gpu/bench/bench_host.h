@@ -1,6 +1,6 @@
 // Host-side helpers the device harness (harness.cu) and the tensor-core check (mma_check.cu)
 // share: f16 rounding, a seeded generator, fast timing weights, weight views, random expert
-// routings, medians.
+// routings, medians, graph-replay timing.
 // Header-only, in an unnamed namespace: each program has its own copy and nothing to link.
 #pragma once
 
@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
+#include "common.cuh"
 #include "ds4/kernels.h"
 
 namespace {
@@ -100,6 +102,40 @@ std::vector<uint8_t> fast_weights(ds4::DType t, int64_t K, int64_t rows, uint64_
 double median(std::vector<double> v) {
   std::sort(v.begin(), v.end());
   return v[v.size() / 2];
+}
+
+// Median seconds per launch: `per_graph` launches captured in one graph, replayed `reps` times
+// after `warmups` replays.
+double time_launches(const std::function<void(cudaStream_t, int)>& launch, int per_graph, int reps,
+                     int warmups = 2) {
+  cudaStream_t s;
+  DS4_GPU_CHECK(cudaStreamCreate(&s));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  DS4_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < per_graph; ++i) launch(s, i);
+  DS4_GPU_CHECK(cudaStreamEndCapture(s, &graph));
+  DS4_GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t a, b;
+  DS4_GPU_CHECK(cudaEventCreate(&a));
+  DS4_GPU_CHECK(cudaEventCreate(&b));
+  for (int w = 0; w < warmups; ++w) DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
+  std::vector<double> t;
+  for (int r = 0; r < reps; ++r) {
+    DS4_GPU_CHECK(cudaEventRecord(a, s));
+    DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
+    DS4_GPU_CHECK(cudaEventRecord(b, s));
+    DS4_GPU_CHECK(cudaEventSynchronize(b));
+    float ms = 0;
+    DS4_GPU_CHECK(cudaEventElapsedTime(&ms, a, b));
+    t.push_back(ms * 1e-3 / per_graph);
+  }
+  DS4_GPU_CHECK(cudaGraphExecDestroy(exec));
+  DS4_GPU_CHECK(cudaGraphDestroy(graph));
+  DS4_GPU_CHECK(cudaEventDestroy(a));
+  DS4_GPU_CHECK(cudaEventDestroy(b));
+  DS4_GPU_CHECK(cudaStreamDestroy(s));
+  return median(t);
 }
 
 }  // namespace

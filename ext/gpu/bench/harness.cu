@@ -652,38 +652,6 @@ struct DeviceMem {
   }
 };
 
-// Median seconds per launch: `per_graph` launches captured in one graph, replayed `reps` times.
-double time_launches(const std::function<void(cudaStream_t, int)>& launch, int per_graph, int reps) {
-  cudaStream_t s;
-  DS4_GPU_CHECK(cudaStreamCreate(&s));
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  DS4_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < per_graph; ++i) launch(s, i);
-  DS4_GPU_CHECK(cudaStreamEndCapture(s, &graph));
-  DS4_GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t a, b;
-  DS4_GPU_CHECK(cudaEventCreate(&a));
-  DS4_GPU_CHECK(cudaEventCreate(&b));
-  for (int w = 0; w < 2; ++w) DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<double> t;
-  for (int r = 0; r < reps; ++r) {
-    DS4_GPU_CHECK(cudaEventRecord(a, s));
-    DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
-    DS4_GPU_CHECK(cudaEventRecord(b, s));
-    DS4_GPU_CHECK(cudaEventSynchronize(b));
-    float ms = 0;
-    DS4_GPU_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e-3 / per_graph);
-  }
-  DS4_GPU_CHECK(cudaGraphExecDestroy(exec));
-  DS4_GPU_CHECK(cudaGraphDestroy(graph));
-  DS4_GPU_CHECK(cudaEventDestroy(a));
-  DS4_GPU_CHECK(cudaEventDestroy(b));
-  DS4_GPU_CHECK(cudaStreamDestroy(s));
-  return median(t);
-}
-
 double copy_bandwidth() {
   const size_t bytes = size_t{1} << 31;  // 2 GiB each way: far beyond the 50-60 MB L2
   DeviceMem a(bytes), b(bytes);

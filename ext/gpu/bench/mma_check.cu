@@ -463,6 +463,7 @@ int run_checks(bool quick, Rng& rng) {
 // Seconds per call: op(s, i) captured `per` times into one graph (per chosen so a replay takes
 // about 2 ms), replayed 3 times to warm up, then 20 timed replays; the median.
 double time_op(const std::function<void(cudaStream_t, int)>& op) {
+  // Two eager runs size the graph: about 2 ms of launches (1..256) per replay.
   cudaStream_t s;
   DS4_GPU_CHECK(cudaStreamCreate(&s));
   cudaEvent_t a, b;
@@ -475,29 +476,11 @@ double time_op(const std::function<void(cudaStream_t, int)>& op) {
   DS4_GPU_CHECK(cudaEventSynchronize(b));
   float ms = 0.0f;
   DS4_GPU_CHECK(cudaEventElapsedTime(&ms, a, b));
-  const int per = std::clamp(static_cast<int>(2.0 / std::max(ms, 1e-3f)), 1, 256);
-  cudaGraph_t graph;
-  cudaGraphExec_t exec;
-  DS4_GPU_CHECK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-  for (int i = 0; i < per; ++i) op(s, i);
-  DS4_GPU_CHECK(cudaStreamEndCapture(s, &graph));
-  DS4_GPU_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  for (int w = 0; w < 3; ++w) DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
-  std::vector<double> t;
-  for (int r = 0; r < 20; ++r) {
-    DS4_GPU_CHECK(cudaEventRecord(a, s));
-    DS4_GPU_CHECK(cudaGraphLaunch(exec, s));
-    DS4_GPU_CHECK(cudaEventRecord(b, s));
-    DS4_GPU_CHECK(cudaEventSynchronize(b));
-    DS4_GPU_CHECK(cudaEventElapsedTime(&ms, a, b));
-    t.push_back(ms * 1e-3 / per);
-  }
-  DS4_GPU_CHECK(cudaGraphExecDestroy(exec));
-  DS4_GPU_CHECK(cudaGraphDestroy(graph));
   DS4_GPU_CHECK(cudaEventDestroy(a));
   DS4_GPU_CHECK(cudaEventDestroy(b));
   DS4_GPU_CHECK(cudaStreamDestroy(s));
-  return median(t);
+  const int per = std::clamp(static_cast<int>(2.0 / std::max(ms, 1e-3f)), 1, 256);
+  return time_launches(op, per, 20, 3);
 }
 
 double copy_bandwidth() {
