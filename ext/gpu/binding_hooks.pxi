@@ -46,6 +46,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
                                                 float limit) except +
     void gpu_set_matvec_fuse "ds4::gpu::testing::set_matvec_fuse"(cbool on) except +
     cbool gpu_set_matvec_mma "ds4::gpu::testing::set_matvec_mma"(cbool on) except +
+    cbool gpu_set_pdl "ds4::gpu::testing::set_pdl"(cbool on) except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -234,6 +235,13 @@ def _t_gpu_set_matvec_mma(on):
     return bool(gpu_set_matvec_mma(bool(on)))
 
 
+def _t_gpu_set_pdl(on):
+    """Launch the engine's kernels with programmatic dependent launch (ext/gpu/launch.cuh) or without,
+    process-wide (the bits never change; DS4_GPU_PDL=0 is the environment's way). Returns whether it
+    is on now: False where the device cannot (HIP, compute capability below 9.0)."""
+    return bool(gpu_set_pdl(bool(on)))
+
+
 def _t_gpu_set_matvec_chunked(on):
     """Turn the Q8_0/Q4_K chunked weight loads on or off, process-wide (the bits never change)."""
     gpu_set_matvec_chunked(bool(on))
@@ -359,6 +367,7 @@ _GPU_TESTING = dict(
     gpu_swiglu=_t_gpu_swiglu,
     gpu_set_matvec_fuse=_t_gpu_set_matvec_fuse,
     gpu_set_matvec_mma=_t_gpu_set_matvec_mma,
+    gpu_set_pdl=_t_gpu_set_pdl,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

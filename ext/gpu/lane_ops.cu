@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <string>
 
+#include "launch.cuh"
 #include "matvec.cuh"  // the ggml type ids kF32, kF16, kBF16
 #include "rowops.cuh"
 #include "step_ops.h"
@@ -34,6 +35,7 @@ namespace ds4::gpu {
 namespace {
 
 __global__ void __launch_bounds__(kRowThreads) replicate_kernel(float* __restrict__ X, int hc, int64_t d) {
+  ds4_grid_begin();
   float* x = X + static_cast<int64_t>(blockIdx.x) * hc * d;
   for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
     const float v = x[k];
@@ -123,6 +125,7 @@ __global__ void __launch_bounds__(kWideThreads)
                   const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
                   const float* __restrict__ norm_w, float* __restrict__ U, float* __restrict__ post,
                   float* __restrict__ comb) {
+  ds4_grid_begin();
   const int hc = HC > 0 ? HC : hc_rt;
   extern __shared__ float u_s[];  // [d]: u before its norm (part 0 with norm_w)
   __shared__ double red[kWideWarps];
@@ -192,6 +195,7 @@ template <int HC>
 __global__ void __launch_bounds__(kRowThreads)
     hc_post_kernel(float* __restrict__ X, int hc_rt, int64_t d, const float* __restrict__ Y,
                    const float* __restrict__ post, const float* __restrict__ comb) {
+  ds4_grid_begin();
   const int hc = HC > 0 ? HC : hc_rt;
   __shared__ float post_s[kMaxHcDev];
   __shared__ float c_s[kMaxHcDev * kMaxHcDev];
@@ -222,6 +226,7 @@ __global__ void __launch_bounds__(kRowThreads)
 __global__ void __launch_bounds__(kRowThreads)
     q_heads_kernel(float* __restrict__ Q, int n_head, int head_dim, int rope_dim, float eps,
                    const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
+  ds4_grid_begin();
   __shared__ double red[kRowWarps];
   const int i = static_cast<int>(blockIdx.x) / n_head;
   float* row = Q + static_cast<int64_t>(blockIdx.x) * head_dim;
@@ -234,6 +239,7 @@ __global__ void __launch_bounds__(kRowThreads)
     kv_finish_kernel(float* __restrict__ KV, int head_dim, int rope_dim, const float* __restrict__ norm, float eps,
                      const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int qat,
                      uint16_t* __restrict__ KV16) {
+  ds4_grid_begin();
   __shared__ double red[kRowWarps];
   const int i = static_cast<int>(blockIdx.x);
   float* row = KV + static_cast<int64_t>(i) * head_dim;
@@ -249,6 +255,7 @@ __global__ void __launch_bounds__(kRowThreads)
     idx_q_kernel(float* __restrict__ Q, float* __restrict__ W, int head_dim, int rope_dim,
                  const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int n_heads, int qat,
                  float w_scale) {
+  ds4_grid_begin();
   const int i = static_cast<int>(blockIdx.x) / n_heads;
   float* row = Q + static_cast<int64_t>(blockIdx.x) * head_dim;
   rope_block(row + (head_dim - rope_dim), rope_dim / 2, pos[i], inv_freq, false);
@@ -262,6 +269,7 @@ __global__ void __launch_bounds__(kRowThreads)
 __global__ void __launch_bounds__(kRowThreads)
     add_ape_kernel(float* __restrict__ Z, int64_t ldz, int64_t width, const uint8_t* __restrict__ ape,
                    int64_t row_bytes, int type, int ratio, const int32_t* __restrict__ pos) {
+  ds4_grid_begin();
   const int i = static_cast<int>(blockIdx.x);
   const uint8_t* row = ape + static_cast<int64_t>(pos[i] % ratio) * row_bytes;
   float* z = Z + static_cast<int64_t>(i) * ldz;
@@ -293,6 +301,7 @@ __global__ void __launch_bounds__(DS4_WARP)
                  const int32_t* __restrict__ tid2eid, const int32_t* __restrict__ tokens,
                  const float* __restrict__ bias, int norm, float wscale, int32_t* __restrict__ ids,
                  float* __restrict__ weights) {
+  ds4_grid_begin();
   extern __shared__ float score[];  // [n_expert] (biased selection scores)
   __shared__ int32_t chosen[kMaxExpertUsed];
   __shared__ float w_s[kMaxExpertUsed];
@@ -347,6 +356,7 @@ __global__ void __launch_bounds__(DS4_WARP)
 }
 
 __global__ void swiglu_kernel(float* __restrict__ G, const float* __restrict__ U, int64_t total, float limit) {
+  ds4_grid_begin();
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
        idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     float gv = G[idx], uv = U[idx];
@@ -361,6 +371,7 @@ __global__ void swiglu_kernel(float* __restrict__ G, const float* __restrict__ U
 __global__ void __launch_bounds__(kRowThreads)
     moe_combine_kernel(const float* __restrict__ D, const float* __restrict__ w, const float* __restrict__ SH,
                        int k_used, int64_t d, float* __restrict__ Y) {
+  ds4_grid_begin();
   const int i = static_cast<int>(blockIdx.y);
   const float* wi = w + static_cast<int64_t>(i) * k_used;
   const float* di = D + static_cast<int64_t>(i) * k_used * d;
@@ -376,6 +387,7 @@ __global__ void __launch_bounds__(kRowThreads)
 }
 
 __global__ void __launch_bounds__(kRowThreads) qat_rows_kernel(float* __restrict__ X, int n, int kind) {
+  ds4_grid_begin();
   extern __shared__ float row[];
   float* x = X + static_cast<int64_t>(blockIdx.x) * n;
   for (int i = threadIdx.x; i < n; i += kRowThreads) row[i] = x[i];
@@ -421,7 +433,7 @@ void qat_rows(int kind, float* X, int n_rows, int n) {
 
 void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
   if (n <= 0 || hc <= 1) return;
-  replicate_kernel<<<n, kRowThreads, 0, cs(s)>>>(X, hc, d);
+  launch(replicate_kernel, n, kRowThreads, 0, cs(s), X, hc, d);
   DS4_GPU_CHECK_LAUNCH("replicate_kernel");
 }
 
@@ -434,10 +446,10 @@ static void launch_hc_mix(int parts, const float* X, const int32_t* lanes, int r
   const size_t smem = norm_w ? static_cast<size_t>(d) * sizeof(float) : 0;
   const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(rows));
   if (hc == 4)
-    hc_mix_kernel<4><<<grid, kWideThreads, smem, st>>>(X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
+    launch(hc_mix_kernel<4>, grid, kWideThreads, smem, st, X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
                                                        norm_eps, norm_w, U, post, comb);
   else
-    hc_mix_kernel<0><<<grid, kWideThreads, smem, st>>>(X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
+    launch(hc_mix_kernel<0>, grid, kWideThreads, smem, st, X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
                                                        norm_eps, norm_w, U, post, comb);
 }
 
@@ -454,9 +466,9 @@ void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* po
   if (n <= 0) return;
   const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
   if (hc == 4)
-    hc_post_kernel<4><<<grid, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
+    launch(hc_post_kernel<4>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb);
   else
-    hc_post_kernel<0><<<grid, kRowThreads, 0, cs(s)>>>(X, hc, d, Y, post, comb);
+    launch(hc_post_kernel<0>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb);
   DS4_GPU_CHECK_LAUNCH("hc_post_kernel");
 }
 
@@ -472,21 +484,21 @@ void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d,
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
              const double* inv_freq, Stream s) {
   if (n <= 0) return;
-  q_heads_kernel<<<n * n_head, kRowThreads, 0, cs(s)>>>(Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
+  launch(q_heads_kernel, n * n_head, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
   DS4_GPU_CHECK_LAUNCH("q_heads_kernel");
 }
 
 void kv_finish(float* KV, int n, int head_dim, int rope_dim, const float* norm, float eps, const int32_t* pos,
                const double* inv_freq, bool qat, uint16_t* KV16, Stream s) {
   if (n <= 0) return;
-  kv_finish_kernel<<<n, kRowThreads, 0, cs(s)>>>(KV, head_dim, rope_dim, norm, eps, pos, inv_freq, qat ? 1 : 0, KV16);
+  launch(kv_finish_kernel, n, kRowThreads, 0, cs(s), KV, head_dim, rope_dim, norm, eps, pos, inv_freq, qat ? 1 : 0, KV16);
   DS4_GPU_CHECK_LAUNCH("kv_finish_kernel");
 }
 
 void idx_q_finish(float* Q, float* W, int n, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
                   const double* inv_freq, bool qat, float w_scale, Stream s) {
   if (n <= 0) return;
-  idx_q_kernel<<<n * n_heads, kRowThreads, 0, cs(s)>>>(Q, W, head_dim, rope_dim, pos, inv_freq, n_heads, qat ? 1 : 0,
+  launch(idx_q_kernel, n * n_heads, kRowThreads, 0, cs(s), Q, W, head_dim, rope_dim, pos, inv_freq, n_heads, qat ? 1 : 0,
                                                        w_scale);
   DS4_GPU_CHECK_LAUNCH("idx_q_kernel");
 }
@@ -497,7 +509,7 @@ void add_ape(float* Z, int64_t ldz, int n, int64_t width, const TensorView& ape,
   const int type = static_cast<int>(ape.type);
   if (type != kF32 && type != kF16 && type != kBF16)
     throw std::invalid_argument(std::string("GPU add_ape: ape must be F32, F16 or BF16, not ") + dtype_name(ape.type));
-  add_ape_kernel<<<n, kRowThreads, 0, cs(s)>>>(Z, ldz, width, ape.data, ape.row_bytes(), type, ratio, pos);
+  launch(add_ape_kernel, n, kRowThreads, 0, cs(s), Z, ldz, width, ape.data, ape.row_bytes(), type, ratio, pos);
   DS4_GPU_CHECK_LAUNCH("add_ape_kernel");
 }
 
@@ -507,7 +519,7 @@ void route(const float* logits, int n, int n_expert, int k, bool hash, const int
   if (k < 1 || k > kMaxExpertUsed) throw std::invalid_argument("GPU route: n_expert_used must be 1..32");
   const size_t smem = hash ? 0 : static_cast<size_t>(n_expert) * sizeof(float);
   if (smem > 48 * 1024) throw std::invalid_argument("GPU route: n_expert above 12288");
-  route_kernel<<<n, DS4_WARP, smem, cs(s)>>>(logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
+  launch(route_kernel, n, DS4_WARP, smem, cs(s), logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
                                              scale, ids, weights);
   DS4_GPU_CHECK_LAUNCH("route_kernel");
 }
@@ -516,14 +528,14 @@ void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, 
   const int64_t total = rows * width;
   if (total <= 0) return;
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
-  swiglu_kernel<<<static_cast<unsigned>(blocks), 256, 0, cs(s)>>>(G, U, total, limit);
+  launch(swiglu_kernel, static_cast<unsigned>(blocks), 256, 0, cs(s), G, U, total, limit);
   DS4_GPU_CHECK_LAUNCH("swiglu_kernel");
 }
 
 void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s) {
   if (n <= 0) return;
   const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
-  moe_combine_kernel<<<grid, kRowThreads, 0, cs(s)>>>(D, w, SH, k, d, Y);
+  launch(moe_combine_kernel, grid, kRowThreads, 0, cs(s), D, w, SH, k, d, Y);
   DS4_GPU_CHECK_LAUNCH("moe_combine_kernel");
 }
 

@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "ds4_gpu.h"
+#include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
 #include "mma_matvec.cuh"
@@ -162,14 +163,14 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
     if (tall && rows >= kTallRows) {
       const int64_t br = 2 * matvec_block_rows(NC, ks);
       const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
-      matvec_dense_kernel<T, NC, true><<<grid, kMatvecThreads, 0, s>>>(W.data, W.row_bytes(), rows, units, ks, X,
+      launch(matvec_dense_kernel<T, NC, true>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X,
                                                                         ldx, Y, ldy, chunks, batch);
       return;
     }
   }
   const int64_t br = matvec_block_rows(NC, ks);
   const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
-  matvec_dense_kernel<T, NC, false><<<grid, kMatvecThreads, 0, s>>>(W.data, W.row_bytes(), rows, units, ks, X, ldx,
+  launch(matvec_dense_kernel<T, NC, false>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X, ldx,
                                                                      Y, ldy, chunks, batch);
 }
 
@@ -299,8 +300,8 @@ void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_
   const int64_t resident = static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn);
   const int64_t grid = std::min<int64_t>(n_blocks, std::max<int64_t>(1, resident / n_batch));
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
-  matvec_staged_kernel<T, NC><<<dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)), kStagedThreads, dyn,
-                                s>>>(W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
+  launch(matvec_staged_kernel<T, NC>, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)), kStagedThreads,
+         dyn, s, W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
 }
 
 template <int T>
@@ -409,11 +410,11 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   if (fast) {
-    matvec_grouped_own_kernel<MAXC, KS, true><<<grid, kMatvecThreads, smem, s>>>(
+    launch(matvec_grouped_own_kernel<MAXC, KS, true, GroupedStore>, grid, kMatvecThreads, smem, s,
         W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
         n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
   } else {
-    matvec_grouped_own_kernel<MAXC, KS, false><<<grid, kMatvecThreads, smem, s>>>(
+    launch(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore>, grid, kMatvecThreads, smem, s,
         W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
         n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
   }
@@ -466,7 +467,7 @@ void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* p
   // Sized for the narrowest block (most blocks); wider parts leave their extra blocks idle.
   const int64_t block_rows = std::min(matvec_block_rows(1, ks), matvec_block_rows(MAXC, ks));
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
-  matvec_grouped_kernel<T, MAXC><<<grid, kMatvecThreads, 0, s>>>(
+  launch(matvec_grouped_kernel<T, MAXC>, grid, kMatvecThreads, 0, s,
       W.data, W.row_bytes() * rows, W.row_bytes(), rows, units, ks, reinterpret_cast<const ExpertPartDev*>(parts),
       n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units));
 }
@@ -490,6 +491,7 @@ constexpr int kPartsThreads = 256;
 __global__ void __launch_bounds__(kPartsThreads)
     build_parts_kernel(const int32_t* __restrict__ pair_expert, int n_pairs, int n_expert, int max_part,
                        int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts, int32_t* __restrict__ n_parts) {
+  ds4_grid_begin();
   extern __shared__ int32_t sm[];
   int32_t* cnt = sm;                  // [n_expert] pairs per expert
   int32_t* less = sm + n_expert;      // [n_expert] pairs with a smaller expert
@@ -658,7 +660,7 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   if (n_pairs < 0 || n_expert < 1 || n_expert > 4096)
     throw std::invalid_argument("build_expert_parts: need n_pairs >= 0 and 1..4096 experts");
   const size_t smem = 3 * static_cast<size_t>(n_expert) * sizeof(int32_t);
-  build_parts_kernel<<<1, kPartsThreads, smem, static_cast<cudaStream_t>(stream)>>>(
+  launch(build_parts_kernel, 1, kPartsThreads, smem, static_cast<cudaStream_t>(stream),
       pair_expert, n_pairs, n_expert, max_part, sorted_pairs, reinterpret_cast<ExpertPartDev*>(parts), n_parts);
   DS4_GPU_CHECK_LAUNCH("build_parts_kernel");
 }
@@ -677,13 +679,51 @@ void set_matvec_grouped(int variant, int stages, int width) {
   if (width != 0) g_grouped_width.store(width, std::memory_order_relaxed);
 }
 
+namespace {
+
+// Programmatic dependent launch (launch.cuh): on where the device has it (compute capability 9.0+,
+// CUDA), unless DS4_GPU_PDL=0 or set_pdl(false). -1: not decided yet.
+std::atomic<int> g_pdl{-1};
+
+bool pdl_supported() {
+#if defined(DS4_CUDA)
+  static const bool ok = [] {
+    int dev = 0, major = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return false;
+    }
+    return major >= 9;
+  }();
+  return ok;
+#else
+  return false;
+#endif
+}
+
+}  // namespace
+
+bool pdl_on() {
+  int v = g_pdl.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_PDL");
+    v = (e != nullptr && std::string(e) == "0") ? 0 : (pdl_supported() ? 1 : 0);
+    g_pdl.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+void set_pdl(bool on) { g_pdl.store(on && pdl_supported() ? 1 : 0, std::memory_order_relaxed); }
+
 int matvec_settings_key() {
   // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h),
   // 11 tensor cores; with them on, their launch choices (mma_matvec.cuh's MmaConfig, the same bits
   // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
-  // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch).
+  // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch);
+  // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits).
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
-            grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10;
+            grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17;
   if (mma_on()) {
     const MmaConfig c = mma_config();
     key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15 |

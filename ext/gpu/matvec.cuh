@@ -420,6 +420,8 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
       };
       int stage = 0;
       if (b0 < b_end && passes > 0) issue(b0, 0, 0);
+      // The first weights are in flight; X and Y belong to the kernels before this one (launch.cuh).
+      ds4_grid_begin();
       for (int64_t b = b0; b < b_end; b += b_step) {
         zero();
         for (int i = 0; i < passes; ++i) {
@@ -452,6 +454,7 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
   // Unit by unit; F16/BF16 units (16 bytes) two passes at a time, so twice the loads are in
   // flight (the same order of work).
   constexpr bool kTwo = T == kF16 || T == kBF16;
+  ds4_grid_begin();
   for (int64_t b = b0; b < b_end; b += b_step) {
     zero();
     const uint8_t* rowp[R];
@@ -577,6 +580,7 @@ __global__ void __launch_bounds__(kStagedThreads)
     matvec_staged_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                          int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
                          bool chunked, MatvecBatch batch) {
+  ds4_grid_begin();
   W += blockIdx.y * batch.w_bytes;
   X += blockIdx.y * batch.x;
   Y += blockIdx.y * batch.y;
@@ -668,6 +672,7 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
                           const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                           const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
                           float* __restrict__ Y, int64_t ldy, bool chunked) {
+  ds4_grid_begin();
   constexpr int S = chunk_stages<T>(kGroupedRows, kMatvecWarps);
   __shared__ float part[kMatvecWarps * kGroupedRows * MAXC];
   __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(kGroupedRows, kMatvecWarps, S)];
@@ -1060,6 +1065,7 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
                               const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                               const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
                               const Store store, int64_t ldy, int stages) {
+  ds4_grid_begin();
   extern __shared__ __align__(16) uint8_t grouped_own_buf[];
   const int p = static_cast<int>(blockIdx.y);
   if (p >= *n_parts) return;

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "ds4_gpu.h"
+#include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
 #include "step_ops.h"
@@ -71,7 +72,7 @@ constexpr bool tall_type(int t) { return t == kQ8_0 || t == kF16 || t == kBF16; 
 
 template <int TA, int TB, bool TALL, int NC>
 void launch_multi_nc(const MultiArgs& a, int64_t blocks, const float* X, int64_t ldx, cudaStream_t s) {
-  matvec_multi_kernel<TA, TB, NC, TALL><<<static_cast<unsigned>(blocks), kMatvecThreads, 0, s>>>(a, X, ldx);
+  launch(matvec_multi_kernel<TA, TB, NC, TALL>, static_cast<unsigned>(blocks), kMatvecThreads, 0, s, a, X, ldx);
 }
 
 template <int TA, int TB, bool TALL>
@@ -214,11 +215,11 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   const int64_t expert_bytes = Wg.row_bytes() * rows;
   if (ks == 1) {
-    matvec_grouped_own_kernel<MAXC, 1, false, GatedStore><<<grid, kMatvecThreads, smem, s>>>(
+    launch(matvec_grouped_own_kernel<MAXC, 1, false, GatedStore>, grid, kMatvecThreads, smem, s,
         Wg.data, Wu.data, expert_bytes, Wg.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
         sorted_pairs, x_row, X, ldx, store, ldy, stages);
   } else {
-    matvec_grouped_own_kernel<MAXC, 2, false, GatedStore><<<grid, kMatvecThreads, smem, s>>>(
+    launch(matvec_grouped_own_kernel<MAXC, 2, false, GatedStore>, grid, kMatvecThreads, smem, s,
         Wg.data, Wu.data, expert_bytes, Wg.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
         sorted_pairs, x_row, X, ldx, store, ldy, stages);
   }
@@ -471,6 +472,11 @@ void set_matvec_fuse(bool on) { ds4::gpu::set_matvec_fuse(on); }
 bool set_matvec_mma(bool on) {
   ds4::gpu::set_matvec_mma(on);
   return ds4::gpu::matvec_mma();
+}
+
+bool set_pdl(bool on) {
+  ds4::gpu::set_pdl(on);
+  return ds4::gpu::pdl_on();
 }
 
 }  // namespace testing

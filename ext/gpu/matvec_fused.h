@@ -134,6 +134,8 @@ void swiglu(float* G, const float* U, int rows, int64_t width, float limit);
 void set_matvec_fuse(bool on);
 // set_matvec_mma(on); returns matvec_mma() after it (false where the build has no tensor-core kernels).
 bool set_matvec_mma(bool on);
+// launch.cuh's set_pdl(on); returns pdl_on() after it (false where the device has no PDL).
+bool set_pdl(bool on);
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -147,6 +149,7 @@ inline bool matvec_grouped_pair(const TensorView&, const TensorView&, const floa
 inline void swiglu(float*, const float*, int, int64_t, float) { no_backend(); }
 inline void set_matvec_fuse(bool) { no_backend(); }
 inline bool set_matvec_mma(bool) { no_backend(); }
+inline bool set_pdl(bool) { no_backend(); }
 }  // namespace testing
 
 #endif

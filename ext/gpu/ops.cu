@@ -23,6 +23,7 @@
 #include <string>
 
 #include "ds4_gpu.h"
+#include "launch.cuh"
 #include "matvec.cuh"
 #include "rowops.cuh"
 
@@ -37,6 +38,7 @@ constexpr int kNormThreads = 256;
 __global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(const float* __restrict__ X, int64_t ldx, const float* __restrict__ w, float* __restrict__ Y,
                     int64_t ldy, int64_t n, float eps) {
+  ds4_grid_begin();
   __shared__ double part[kNormThreads / DS4_WARP];
   __shared__ float r_shared;
   const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
@@ -61,6 +63,7 @@ template <int T>
 __global__ void __launch_bounds__(128)
     embed_kernel(const uint8_t* __restrict__ E, int64_t row_bytes, int64_t units, int64_t n_vocab,
                  const int32_t* __restrict__ tokens, float* __restrict__ Y, int64_t ldy) {
+  ds4_grid_begin();
   using U = Unit<T>;
   const int32_t tok = tokens[blockIdx.x];
   float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
@@ -92,6 +95,7 @@ constexpr int kMaxRopeHalf = 256;
 __global__ void __launch_bounds__(128)
     rope_tail_kernel(float* __restrict__ X, int n_heads, int64_t row_stride, int head_dim, int rope_dim,
                      const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int inverse) {
+  ds4_grid_begin();
   __shared__ float cs[kMaxRopeHalf], sn[kMaxRopeHalf];
   const int half = rope_dim / 2;
   const double p = static_cast<double>(pos[blockIdx.x]);
@@ -122,6 +126,7 @@ __global__ void __launch_bounds__(kAttnThreads)
                                 const int32_t* __restrict__ key_rows, const int32_t* __restrict__ key_off, int n_head,
                                 int head_dim, float scale, int max_keys, int cap, float* __restrict__ po,
                                 float* __restrict__ pst) {
+  ds4_grid_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);
   float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * cap);
@@ -143,6 +148,7 @@ __global__ void __launch_bounds__(kAttnCombineThreads)
     attention_sink_combine_kernel(const int32_t* __restrict__ key_off, int n_head, int head_dim,
                                   const float* __restrict__ sinks, int max_keys, const float* __restrict__ po,
                                   const float* __restrict__ pst, float* __restrict__ out) {
+  ds4_grid_begin();
   const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
   const int n = min(key_off[li + 1] - key_off[li], max_keys);
   const int64_t head = static_cast<int64_t>(li) * n_head + h;
@@ -163,6 +169,7 @@ __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
 
 __global__ void __launch_bounds__(kArgmaxThreads)
     argmax_kernel(const float* __restrict__ X, int64_t ldx, int64_t n, int32_t* __restrict__ out) {
+  ds4_grid_begin();
   __shared__ float bv[kArgmaxThreads / DS4_WARP];
   __shared__ int bi[kArgmaxThreads / DS4_WARP];
   const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
@@ -216,7 +223,7 @@ void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_row
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(head_dim)));
   const dim3 grid(static_cast<unsigned>((n_head + HB - 1) / HB), static_cast<unsigned>(splits),
                   static_cast<unsigned>(n_lanes));
-  attention_sink_split_kernel<HB><<<grid, kAttnThreads, smem, s>>>(q, kv, key_rows, key_off, n_head, head_dim, scale,
+  launch(attention_sink_split_kernel<HB>, grid, kAttnThreads, smem, s, q, kv, key_rows, key_off, n_head, head_dim, scale,
                                                                    max_keys, cap, po, pst);
 }
 
@@ -226,7 +233,7 @@ void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy
               Stream stream) {
   if (n_rows < 0 || n <= 0) throw std::invalid_argument("GPU rms_norm: need n_rows >= 0 and n > 0");
   if (n_rows == 0) return;
-  rms_norm_kernel<<<n_rows, kNormThreads, 0, static_cast<cudaStream_t>(stream)>>>(X, ldx, w, Y, ldy, n, eps);
+  launch(rms_norm_kernel, n_rows, kNormThreads, 0, static_cast<cudaStream_t>(stream), X, ldx, w, Y, ldy, n, eps);
   DS4_GPU_CHECK_LAUNCH("rms_norm_kernel");
 }
 
@@ -241,12 +248,12 @@ void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rb = E.row_bytes(), rows = E.ne[1];
   switch (E.type) {
-    case DType::F32: embed_kernel<kF32><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::F16: embed_kernel<kF16><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::BF16: embed_kernel<kBF16><<<n, 128, 0, s>>>(E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::Q8_0: embed_kernel<kQ8_0><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
-    case DType::Q4_K: embed_kernel<kQ4_K><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
-    case DType::MXFP4: embed_kernel<kMXFP4><<<n, 128, 0, s>>>(E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::F32: launch(embed_kernel<kF32>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::F16: launch(embed_kernel<kF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::BF16: launch(embed_kernel<kBF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
+    case DType::Q8_0: launch(embed_kernel<kQ8_0>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::Q4_K: launch(embed_kernel<kQ4_K>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::MXFP4: launch(embed_kernel<kMXFP4>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
     default: throw std::invalid_argument(std::string("GPU embed_rows: unsupported table type ") + dtype_name(E.type));
   }
   DS4_GPU_CHECK_LAUNCH("embed_kernel");
@@ -257,7 +264,7 @@ void rope_tail(float* X, int n_rows, int n_heads, int64_t row_stride, int head_d
   if (rope_dim <= 0 || rope_dim % 2 != 0 || rope_dim > head_dim || rope_dim / 2 > kMaxRopeHalf)
     throw std::invalid_argument("GPU rope_tail: rope_dim must be even, positive, at most head_dim and 512");
   if (n_rows <= 0 || n_heads <= 0) return;
-  rope_tail_kernel<<<n_rows, 128, 0, static_cast<cudaStream_t>(stream)>>>(X, n_heads, row_stride, head_dim, rope_dim,
+  launch(rope_tail_kernel, n_rows, 128, 0, static_cast<cudaStream_t>(stream), X, n_heads, row_stride, head_dim, rope_dim,
                                                                           pos, inv_freq, inverse ? 1 : 0);
   DS4_GPU_CHECK_LAUNCH("rope_tail_kernel");
 }
@@ -298,7 +305,7 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
                                   " keys per lane do not fit this device's shared memory");
     DS4_GPU_CHECK_LAUNCH("attention_sink_split_kernel");
     const dim3 grid(static_cast<unsigned>(n_head), static_cast<unsigned>(n_lanes));
-    attention_sink_combine_kernel<<<grid, kAttnCombineThreads, 0, s>>>(key_off, n_head, head_dim, sinks, max_keys, part,
+    launch(attention_sink_combine_kernel, grid, kAttnCombineThreads, 0, s, key_off, n_head, head_dim, sinks, max_keys, part,
                                                                        pst, out);
     DS4_GPU_CHECK_LAUNCH("attention_sink_combine_kernel");
     err = cudaStreamSynchronize(s);
@@ -314,7 +321,7 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
 void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream) {
   if (n <= 0 || n > 0x7fffffff) throw std::invalid_argument("GPU argmax: need 0 < n < 2^31");
   if (n_rows <= 0) return;
-  argmax_kernel<<<n_rows, kArgmaxThreads, 0, static_cast<cudaStream_t>(stream)>>>(X, ldx, n, out);
+  launch(argmax_kernel, n_rows, kArgmaxThreads, 0, static_cast<cudaStream_t>(stream), X, ldx, n, out);
   DS4_GPU_CHECK_LAUNCH("argmax_kernel");
 }
 

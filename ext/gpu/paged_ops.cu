@@ -34,6 +34,7 @@
 #include <algorithm>
 #include <string>
 
+#include "launch.cuh"
 #include "rowops.cuh"
 #include "step_ops.h"
 
@@ -50,6 +51,7 @@ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? 
 // --- compressor --------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(kRowThreads) compressor_kernel(CompressorLaunch a, StepLanes L) {
+  ds4_grid_begin();
   extern __shared__ float buf[];  // the pooled row [c]
   __shared__ double red[kRowWarps];
   const int g = static_cast<int>(blockIdx.x);
@@ -122,6 +124,7 @@ __global__ void __launch_bounds__(kRowThreads)
     indexer_scores_kernel(const float* __restrict__ Q, const float* __restrict__ W, int n_heads, StepLanes L,
                           const uint16_t* __restrict__ pages, int64_t page_elems, int64_t row_off, int top_k,
                           float* __restrict__ scores, int64_t ld) {
+  ds4_grid_begin();
   constexpr int HD = PL * DS4_WARP;
   extern __shared__ float qs[];  // [n_heads][HD] queries, then [n_heads] weights
   const int i = static_cast<int>(blockIdx.y);
@@ -204,6 +207,7 @@ __global__ void __launch_bounds__(kRowThreads)
     indexer_scores_heads_kernel(const float* __restrict__ Q, const float* __restrict__ W, int n_heads, StepLanes L,
                                 const uint16_t* __restrict__ pages, int64_t page_elems, int64_t row_off, int top_k,
                                 float* __restrict__ scores, int64_t ld) {
+  ds4_grid_begin();
   constexpr int HD = PL * DS4_WARP, NV = M * DS4_WARP;
   extern __shared__ __align__(16) float qs[];  // [NV][HD] queries (zero past n_heads), then [NV] weights
   const int i = static_cast<int>(blockIdx.y);
@@ -310,6 +314,7 @@ __device__ int block_exclusive_scan(int v, int* a) {
 __global__ void __launch_bounds__(kTopkThreads)
     indexer_topk_kernel(const float* __restrict__ scores, int64_t ld, const int32_t* __restrict__ pos, int top_k,
                         int32_t* __restrict__ sel, int64_t ld_sel) {
+  ds4_grid_begin();
   __shared__ uint32_t hist[256];
   __shared__ uint32_t s_prefix, s_mask, s_rem;
   __shared__ uint32_t s_incl[256], s_wsum[256 / DS4_WARP];
@@ -443,6 +448,7 @@ __device__ __forceinline__ const uint16_t* key_row(const AttentionLaunch& a, con
 // grid (head groups, splits bound, lanes): one split of one lane for HB heads (rowops.cuh).
 template <int HB>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttentionLaunch a, StepLanes L, int cap) {
+  ds4_grid_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);   // [cap] key rows
   float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * cap);  // [HB][cap]
@@ -461,6 +467,7 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
 
 // grid (heads, lanes): the splits of one (lane, head) merged with the sink, then the inverse tail RoPE.
 __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(AttentionLaunch a, StepLanes L) {
+  ds4_grid_begin();
   __shared__ float rc[kAttnMaxRopeHalf], rs[kAttnMaxRopeHalf];
   const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
   const LaneKeys k = lane_keys(a, L, li);
@@ -494,13 +501,14 @@ void launch_attention(const AttentionLaunch& a, const StepLanes& L, int n, int c
                       cudaStream_t s) {
   const dim3 grid(static_cast<unsigned>((a.n_head + HB - 1) / HB), static_cast<unsigned>(splits),
                   static_cast<unsigned>(n));
-  attention_split_kernel<HB><<<grid, kAttnThreads, smem, s>>>(a, L, cap);
+  launch(attention_split_kernel<HB>, grid, kAttnThreads, smem, s, a, L, cap);
 }
 
 // --- ring store ----------------------------------------------------------------------------------
 
 __global__ void __launch_bounds__(128)
     ring_store_kernel(uint16_t* __restrict__ ring, const uint16_t* __restrict__ kv16, int head_dim, StepLanes L) {
+  ds4_grid_begin();
   const int i = static_cast<int>(blockIdx.x);
   const int64_t t = L.pos[i];
   const int64_t last = static_cast<int64_t>(L.t0[i]) + L.grp_len[L.group[i]] - 1;
@@ -515,7 +523,7 @@ __global__ void __launch_bounds__(128)
 void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n_groups, Stream s) {
   if (n_groups <= 0) return;
   if (a.c > 12 * 1024) throw std::invalid_argument("GPU compressor: row width above 12288");
-  compressor_kernel<<<n_groups, kRowThreads, static_cast<size_t>(a.c) * sizeof(float), cs(s)>>>(a, L);
+  launch(compressor_kernel, n_groups, kRowThreads, static_cast<size_t>(a.c) * sizeof(float), cs(s), a, L);
   DS4_GPU_CHECK_LAUNCH("compressor_kernel");
 }
 
@@ -527,38 +535,38 @@ void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head
   if (smem > 48 * 1024) throw std::invalid_argument("GPU indexer: index heads x head_dim above 12000 values");
   const dim3 grid(static_cast<unsigned>((max_vis + kIdxPerBlock - 1) / kIdxPerBlock), static_cast<unsigned>(n));
   const cudaStream_t st = cs(s);
-  auto launch = [&](auto kernel) {
-    kernel<<<grid, kRowThreads, smem, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores);
+  auto run = [&](auto kernel) {
+    ds4::gpu::launch(kernel, grid, kRowThreads, smem, st, Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores, ld_scores);
   };
   const int m = n_heads <= 32 ? 1 : n_heads <= 64 ? 2 : 0;
   const size_t smem2 = (static_cast<size_t>(m) * DS4_WARP * head_dim + m * DS4_WARP) * sizeof(float);
   if (m > 0 && smem2 <= 48 * 1024) {  // heads over lanes (most shapes; DS4: 64 heads of 128)
     const dim3 grid2(static_cast<unsigned>((max_vis + kIdx2PerBlock - 1) / kIdx2PerBlock), static_cast<unsigned>(n));
-    auto launch2 = [&](auto kernel) {
-      kernel<<<grid2, kRowThreads, smem2, st>>>(Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores,
-                                                ld_scores);
+    auto run2 = [&](auto kernel) {
+      ds4::gpu::launch(kernel, grid2, kRowThreads, smem2, st, Q, W, n_heads, L, pages, page_elems, row_off, top_k, scores,
+             ld_scores);
     };
     switch (head_dim * 4 + m) {
-      case 32 * 4 + 1: launch2(indexer_scores_heads_kernel<1, 1>); break;
-      case 32 * 4 + 2: launch2(indexer_scores_heads_kernel<1, 2>); break;
-      case 64 * 4 + 1: launch2(indexer_scores_heads_kernel<2, 1>); break;
-      case 64 * 4 + 2: launch2(indexer_scores_heads_kernel<2, 2>); break;
-      case 128 * 4 + 1: launch2(indexer_scores_heads_kernel<4, 1>); break;
-      case 128 * 4 + 2: launch2(indexer_scores_heads_kernel<4, 2>); break;
-      case 256 * 4 + 1: launch2(indexer_scores_heads_kernel<8, 1>); break;
-      case 256 * 4 + 2: launch2(indexer_scores_heads_kernel<8, 2>); break;
-      case 512 * 4 + 1: launch2(indexer_scores_heads_kernel<16, 1>); break;
+      case 32 * 4 + 1: run2(indexer_scores_heads_kernel<1, 1>); break;
+      case 32 * 4 + 2: run2(indexer_scores_heads_kernel<1, 2>); break;
+      case 64 * 4 + 1: run2(indexer_scores_heads_kernel<2, 1>); break;
+      case 64 * 4 + 2: run2(indexer_scores_heads_kernel<2, 2>); break;
+      case 128 * 4 + 1: run2(indexer_scores_heads_kernel<4, 1>); break;
+      case 128 * 4 + 2: run2(indexer_scores_heads_kernel<4, 2>); break;
+      case 256 * 4 + 1: run2(indexer_scores_heads_kernel<8, 1>); break;
+      case 256 * 4 + 2: run2(indexer_scores_heads_kernel<8, 2>); break;
+      case 512 * 4 + 1: run2(indexer_scores_heads_kernel<16, 1>); break;
       default: throw std::invalid_argument("GPU indexer: index_head_dim must be 32, 64, 128, 256 or 512");
     }
     DS4_GPU_CHECK_LAUNCH("indexer_scores_heads_kernel");
     return;
   }
   switch (head_dim) {
-    case 32: launch(indexer_scores_kernel<1>); break;
-    case 64: launch(indexer_scores_kernel<2>); break;
-    case 128: launch(indexer_scores_kernel<4>); break;
-    case 256: launch(indexer_scores_kernel<8>); break;
-    case 512: launch(indexer_scores_kernel<16>); break;
+    case 32: run(indexer_scores_kernel<1>); break;
+    case 64: run(indexer_scores_kernel<2>); break;
+    case 128: run(indexer_scores_kernel<4>); break;
+    case 256: run(indexer_scores_kernel<8>); break;
+    case 512: run(indexer_scores_kernel<16>); break;
     default: throw std::invalid_argument("GPU indexer: index_head_dim must be 32, 64, 128, 256 or 512");
   }
   DS4_GPU_CHECK_LAUNCH("indexer_scores_kernel");
@@ -567,7 +575,7 @@ void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head
 void indexer_topk(const float* scores, int64_t ld_scores, int n, const int32_t* pos, int top_k, int32_t* sel,
                   int64_t ld_sel, Stream s) {
   if (n <= 0) return;
-  indexer_topk_kernel<<<n, kTopkThreads, 0, cs(s)>>>(scores, ld_scores, pos, top_k, sel, ld_sel);
+  launch(indexer_topk_kernel, n, kTopkThreads, 0, cs(s), scores, ld_scores, pos, top_k, sel, ld_sel);
   DS4_GPU_CHECK_LAUNCH("indexer_topk_kernel");
 }
 
@@ -629,13 +637,13 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
                                 " keys per lane do not fit this device's shared memory");
   DS4_GPU_CHECK_LAUNCH("attention_split_kernel");
   const dim3 grid(static_cast<unsigned>(a.n_head), static_cast<unsigned>(n));
-  attention_combine_kernel<<<grid, kAttnCombineThreads, 0, st>>>(a, L);
+  launch(attention_combine_kernel, grid, kAttnCombineThreads, 0, st, a, L);
   DS4_GPU_CHECK_LAUNCH("attention_combine_kernel");
 }
 
 void ring_store(uint16_t* ring, const uint16_t* kv16, int n, int head_dim, const StepLanes& L, Stream s) {
   if (n <= 0) return;
-  ring_store_kernel<<<n, 128, 0, cs(s)>>>(ring, kv16, head_dim, L);
+  launch(ring_store_kernel, n, 128, 0, cs(s), ring, kv16, head_dim, L);
   DS4_GPU_CHECK_LAUNCH("ring_store_kernel");
 }
 

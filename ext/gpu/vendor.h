@@ -220,3 +220,30 @@ __device__ __forceinline__ void ds4_syncwarp() {
   __syncwarp();
 #endif
 }
+
+// --- programmatic dependent launch (sm_90+; launch.cuh launches kernels with it) ---------------
+// A kernel launched with the attribute may be scheduled while the kernel before it in the stream
+// is still running; its blocks then run up to ds4_grid_wait(), which returns once that kernel has
+// completed and its writes are visible. So every kernel launched through ds4::gpu::launch calls
+// ds4_grid_wait() before it reads anything an earlier kernel wrote and before it writes anything;
+// before it, only reads of constant data (weights) are allowed. ds4_grid_release() lets the next
+// kernel of the stream be scheduled now (each block issues it after its wait, so at most one
+// kernel runs ahead). Both are no-ops for a kernel launched without the attribute, and on other
+// devices (HIP, pre-Hopper), where launch.cuh never sets it.
+__device__ __forceinline__ void ds4_grid_wait() {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void ds4_grid_release() {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
+// The usual kernel opening: wait for the previous kernel, then let the next one be scheduled.
+__device__ __forceinline__ void ds4_grid_begin() {
+  ds4_grid_wait();
+  ds4_grid_release();
+}
