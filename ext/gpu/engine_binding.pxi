@@ -30,6 +30,10 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool matvec_tall()
         void set_matvec_staged(cbool on) except +
         cbool matvec_staged()
+        void set_l2_prefetch(cbool on) except +
+        cbool l2_prefetch()
+        vector[int64_t] l2_prefetch_log() except +
+        uint64_t l2_prefetch_window_bytes()
 
 cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_qat_rows "ds4::gpu::testing::qat_rows"(int kind, float* X, int n_rows, int n) except +
@@ -185,6 +189,29 @@ cdef class GpuEngine:
     @use_staged_matvec.setter
     def use_staged_matvec(self, on):
         self._get().set_matvec_staged(bool(on))
+
+    @property
+    def use_l2_prefetch(self):
+        """Whether each step asks L2 for the weights that follow its latency-bound stretches (same
+        bits; default on for CUDA compute capability 9.0+, DS4_GPU_L2_PREFETCH=0/1). Setting it on
+        where the device cannot prefetch leaves it off."""
+        return bool(self._get().l2_prefetch())
+
+    @use_l2_prefetch.setter
+    def use_l2_prefetch(self, on):
+        self._get().set_l2_prefetch(bool(on))
+
+    @property
+    def l2_prefetch_window_bytes(self):
+        """The most one prefetch window asks for: half the L2, or DS4_GPU_L2_PREFETCH_BYTES."""
+        return int(self._get().l2_prefetch_window_bytes())
+
+    def l2_prefetch_log(self):
+        """What the last step that launched its kernels (eagerly, or capturing a graph) asked L2 for:
+        a list of (window, layer, file offset, bytes); window 0 = a layer's attention prologue, 1 =
+        its attention, 2 = its FFN prologue, 3 = the head (layer n_layer). Empty with the prefetch off."""
+        cdef vector[int64_t] v = self._get().l2_prefetch_log()
+        return [(int(v[i]), int(v[i + 1]), int(v[i + 2]), int(v[i + 3])) for i in range(0, v.size(), 4)]
 
     @property
     def graphs_captured(self):

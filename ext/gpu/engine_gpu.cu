@@ -9,8 +9,16 @@
 //       indexer scores and top-k, gathered attention (window rows of this step from the step's
 //       f16 rows, older ones from the ring), then the ring rows;
 //   (C) batched: grouped output projection, mHC post, then the FFN site (mHC pre, ffn_norm,
-//       router, expert-grouped gate/up/down, shared expert, mHC post).
+//       router, shared expert, expert-grouped gate/up/down, mHC post).
 // Then hc_head, output_norm and the LM head for the lanes that asked for logits.
+//
+// L2 prefetch (l2_prefetch.h, README "Pass 9"; switch DS4_GPU_L2_PREFETCH / set_l2_prefetch):
+// before each latency-bound stretch, one small kernel asks L2 for the first bytes (at most half
+// the L2) of the weights the next weight kernels read: at the step's start and after each routed
+// down product, the next layer's mHC weights, u products and q_b (or, after the last layer, the
+// head's mHC weights and the LM head); after q_b, wo_a and wo_b; after wo_b, the FFN's mHC weights,
+// router and shared expert. The shared expert runs before the routed experts (the same bits: its
+// buffers are its own), so no large read comes between that prefetch and the kernels it serves.
 //
 // Device memory, by section (ds4_app/engine/memory.py plan_device_memory mirrors every formula):
 //   rings, compressor_state, pages: the CPU engine's layout (paged_state.h), byte for byte;
@@ -28,6 +36,7 @@
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
+#include <initializer_list>
 #include <limits>
 #include <map>
 #include <string>
@@ -38,6 +47,7 @@
 #include "../engine/weights.h"
 #include "common.cuh"
 #include "ds4_gpu.h"
+#include "l2_prefetch.h"
 #include "matvec_fused.h"
 #include "mma_matvec.cuh"
 #include "step_ops.h"
@@ -179,10 +189,14 @@ struct GpuEngine::Impl {
   bool graphs = false;
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
+  bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
+  uint64_t prefetch_cap = 0;  // bytes one window asks for at most
+  std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
-  // choices; a graph of one tensor-core setting never replays under the other, whose bits differ).
-  std::map<std::tuple<int, int, int, bool, bool, int>, cudaGraphExec_t> graph_cache;
+  // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
+  // the L2 prefetch).
+  std::map<std::tuple<int, int, int, bool, bool, int, bool>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -241,6 +255,10 @@ struct GpuEngine::Impl {
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
     logits_host = PinnedMemory(bytes);
   }
+  // Prefetch windows (kPrefetch*: the window kinds of l2_prefetch_log).
+  enum : int { kPrefetchAttnPrologue = 0, kPrefetchAttn = 1, kPrefetchFfnPrologue = 2, kPrefetchHead = 3 };
+  void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors);
+  void prefetch_attn_prologue(int l);
   void hc_pre_site(const HcWeights& w, const float* norm);
   void attention_layer(int l);
   void ffn_layer(int l);
@@ -269,6 +287,18 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   graphs = env_flag("DS4_GPU_GRAPHS", opts.max_ctx <= kGraphsDefaultMaxCtx);
   tall = env_flag("DS4_GPU_MV_TALL", true);
   staged = env_flag("DS4_GPU_MV_STAGED", true);
+  // The L2 prefetch: on by default where the device has it (unmeasured default, README "Pass 9").
+  // A window asks for at most half the L2, so what it brings in is still there when the kernels
+  // after the stretch read it; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
+  prefetch = env_flag("DS4_GPU_L2_PREFETCH", true) && l2_prefetch_supported();
+  prefetch_cap = l2_cache_bytes() / 2;
+  if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const unsigned long long b = std::strtoull(v, &end, 10);
+    if (end == v || *end != '\0' || *v == '-')
+      throw std::invalid_argument(std::string("DS4_GPU_L2_PREFETCH_BYTES must be a byte count, not '") + v + "'");
+    prefetch_cap = b;
+  }
   attention_prepare();
   matvec_prepare();  // before any graph capture
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
@@ -554,6 +584,34 @@ void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const
   DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
 }
 
+// One prefetch window: the tensors' bytes in order, each from its start, until prefetch_cap bytes
+// are asked for (the last one cut short; never past a tensor's end); absent tensors are skipped.
+void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
+  if (!prefetch || prefetch_cap == 0) return;
+  L2Range r[kL2PrefetchMaxRanges];
+  int m = 0;
+  uint64_t left = prefetch_cap;
+  for (const TensorView* t : tensors) {
+    if (m == kL2PrefetchMaxRanges || left == 0) break;
+    if (t->data == nullptr || t->nbytes() <= 0) continue;
+    const uint64_t bytes = std::min<uint64_t>(static_cast<uint64_t>(t->nbytes()), left);
+    r[m++] = L2Range{t->data, bytes};
+    left -= bytes;
+    prefetch_log.insert(prefetch_log.end(),
+                        {window, layer, static_cast<int64_t>(t->data - weights.data()), static_cast<int64_t>(bytes)});
+  }
+  ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
+}
+
+// Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
+// the weights of those products in the order they are read.
+void GpuEngine::Impl::prefetch_attn_prologue(int l) {
+  const LayerWeights& L = dw.layers[l];
+  prefetch_window(kPrefetchAttnPrologue, l,
+                  {&L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv,
+                   &L.idx_comp.gate, &L.q_b, &L.idx_q_b});
+}
+
 // mHC pre, then the site's RMSNorm (attn_norm / ffn_norm) fused into the same kernel: u = norm(sum pre_j X_j).
 void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
@@ -596,6 +654,9 @@ void GpuEngine::Impl::attention_layer(int l) {
     MatvecProduct pq[2] = {{L.q_b, q, nh * hd}, {L.idx_q_b, idx_q, inh * ihd}};
     mvm(pq, L.ratio == 4 ? 2 : 1, q_lat, ql);
   }
+  // The attention stretch below reads little; the output projection after it (wo_a, wo_b) is the
+  // layer's largest dense read.
+  prefetch_window(kPrefetchAttn, l, {&L.wo_a, &L.wo_b});
   q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
   kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
   if (L.ratio > 0) {
@@ -710,6 +771,9 @@ void GpuEngine::Impl::attention_layer(int l) {
   matvec_batched(part, static_cast<int>(G), ol * L.wo_a.row_bytes(), attn_out, gw, n, nh * hd, o_low, ol, G * ol,
                  stream, tall, staged_min(), scratch());
   mv(L.wo_b, o_low, n, G * ol, y, d);
+  // The FFN prologue (mHC post and pre, router, routing, parts) is latency-bound; its two small
+  // products and then the shared expert follow it.
+  prefetch_window(kPrefetchFfnPrologue, l, {&L.hc_ffn.fn, &L.gate_inp, &L.gate_sh, &L.up_sh, &L.down_sh});
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
 }
 
@@ -728,6 +792,16 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // A part holds at most one pair per lane (routes are distinct per lane), so n lanes bound its
   // width: the kernel is sized for that (wider parts would still run, in pieces).
   const int part_cols = std::min<int>(n, kExpertPart);
+  // The shared expert first: its weights are what the FFN prologue's prefetch asked for, and the
+  // routed experts' reads (tens of MB) would push them out of L2 before a later turn. Its buffers
+  // are its own, so the order changes no bit.
+  const bool shared = cfg.n_expert_shared == 1;
+  if (shared) {
+    MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
+    mvm(gu, 2, u, d);
+    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream);
+    mv(L.down_sh, sh_gate, n, F, sh_down, d);
+  }
   // Gate, up and SwiGLU in one launch where matvec_grouped_pair takes them (the same bits: each
   // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches
   // (always with the tensor-core switch on: the pair declines stacks the tensor cores take).
@@ -738,12 +812,12 @@ void GpuEngine::Impl::ffn_layer(int l) {
     swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
   }
   mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols);
-  const bool shared = cfg.n_expert_shared == 1;
-  if (shared) {
-    MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
-    mvm(gu, 2, u, d);
-    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream);
-    mv(L.down_sh, sh_gate, n, F, sh_down, d);
+  // The last large read of the layer: what follows (combine, mHC post, then the next layer's mHC
+  // pre, or the head's) is latency-bound until the next layer's u products or the LM head.
+  if (l + 1 < cfg.n_layer) {
+    prefetch_attn_prologue(l + 1);
+  } else if (!logit_lanes.empty()) {
+    prefetch_window(kPrefetchHead, cfg.n_layer, {&dw.hc_head.fn, &dw.output});
   }
   moe_combine(ex_down, sel_w, shared ? sh_down : nullptr, n, K, d, y, stream);
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
@@ -761,6 +835,8 @@ void GpuEngine::Impl::head() {
 
 // Every kernel of a step, in order, on the stream (the inputs are already on their way).
 void GpuEngine::Impl::launch_step() {
+  prefetch_log.clear();
+  prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
   embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
   replicate_streams(x_hc, n, cfg.hc_mult, cfg.n_embd, stream);
   for (int l = 0; l < cfg.n_layer; ++l) {
@@ -774,7 +850,7 @@ void GpuEngine::Impl::launch_step() {
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
-                                   matvec_settings_key());
+                                   matvec_settings_key(), prefetch);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -888,6 +964,10 @@ void GpuEngine::set_matvec_tall(bool on) { impl_->tall = on; }
 bool GpuEngine::matvec_tall() const { return impl_->tall; }
 void GpuEngine::set_matvec_staged(bool on) { impl_->staged = on; }
 bool GpuEngine::matvec_staged() const { return impl_->staged; }
+void GpuEngine::set_l2_prefetch(bool on) { impl_->prefetch = on && l2_prefetch_supported(); }
+bool GpuEngine::l2_prefetch() const { return impl_->prefetch; }
+std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }
+uint64_t GpuEngine::l2_prefetch_window_bytes() const { return impl_->prefetch_cap; }
 
 // Zero the slot's rings, set its compressor states to (0, -inf) and its block table to -1 (the
 // CPU's PagedState::reset_slot); pages are left as they are, as there.

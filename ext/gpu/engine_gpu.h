@@ -84,6 +84,22 @@ class GpuEngine {
   // the same bits, a different speed. Default: on; DS4_GPU_MV_STAGED=0 turns it off.
   void set_matvec_staged(bool on);
   bool matvec_staged() const;
+  // L2 prefetch (l2_prefetch.h; ext/gpu/README.md "Pass 9"): before each latency-bound stretch of
+  // the step (attention, the FFN prologue, the mHC/norm prologue of the next layer or the head) a
+  // small kernel asks L2 for the first bytes of the weights the next weight kernels read, at most
+  // half the L2 a stretch (DS4_GPU_L2_PREFETCH_BYTES overrides that cap, read at construction).
+  // Only the cache state changes, never a result bit. Default: on where l2_prefetch_supported()
+  // (CUDA, compute capability 9.0+), off elsewhere; DS4_GPU_L2_PREFETCH=0/1 overrides it. Setting
+  // it on where it is unsupported leaves it off (the getter tells). Part of the graph key.
+  void set_l2_prefetch(bool on);
+  bool l2_prefetch() const;
+  // What the last step that launched its kernels (eager, or a graph capture) asked L2 for: four
+  // numbers a range, (window, layer, file offset, bytes); windows 0 = the attention prologue of
+  // `layer` (its mHC weights, the u products, q_b), 1 = its attention (wo_a, wo_b), 2 = its FFN
+  // prologue (mHC, router, shared expert), 3 = the head (layer = n_layer). Offsets are the weight
+  // bytes' offsets in the GGUF file. Empty with the prefetch off.
+  std::vector<int64_t> l2_prefetch_log() const;
+  uint64_t l2_prefetch_window_bytes() const;  // the cap a window asks for at most
 
  private:
   struct Impl;
@@ -117,6 +133,10 @@ class GpuEngine {
   bool matvec_tall() const { return false; }
   void set_matvec_staged(bool) { throw std::runtime_error("no GPU backend"); }
   bool matvec_staged() const { return false; }
+  void set_l2_prefetch(bool) { throw std::runtime_error("no GPU backend"); }
+  bool l2_prefetch() const { return false; }
+  std::vector<int64_t> l2_prefetch_log() const { return {}; }
+  uint64_t l2_prefetch_window_bytes() const { return 0; }
 };
 
 #endif
