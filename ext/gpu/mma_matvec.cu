@@ -258,6 +258,28 @@ struct MmaW<DType::BF16> {
   }
 };
 
+// Q4_K k-block E (0..3) of a 128-k chunk, half h (0, 1) of its 256-k block: head = the block's 16-byte
+// head, qsh = the 64 qs bytes of that half. Pair E >> 1 of the chunk is chunk c = 2h + (E >> 1) of
+// the block: its qs bytes 32c + 8t .. + 8 (qsh + 32 (E >> 1) + 8t) hold sub-block 2c (low nibbles, E
+// even) and 2c + 1 (high nibbles, E odd). Both stage layouts (phase 1's head + half, phase 5's
+// whole blocks) decode through it.
+template <int E>
+DS4_HD void q4k_decode(const uint8_t* head_p, const uint8_t* qsh, int h, int t, Row8& v, float& mul, float& nml) {
+  const uint4 head = *reinterpret_cast<const uint4*>(head_p);
+  const uint2 q = *reinterpret_cast<const uint2*>(qsh + 32 * (E >> 1) + 8 * t);
+  float dl0, ml0, dl1, ml1;
+  q4k_pair_scales(head, 2 * h + (E >> 1), dl0, ml0, dl1, ml1);
+  if constexpr ((E & 1) == 0) {
+    q4k_nibbles<false>(q, v);
+    mul = dl0;
+    nml = -ml0;
+  } else {
+    q4k_nibbles<true>(q, v);
+    mul = dl1;
+    nml = -ml1;
+  }
+}
+
 // k-block E (0..3) of stage i, from row r's staged bytes rs (r: the row within the block): thread
 // t's 8 weights as exact values (elements 128 i + 32 E + 8t .. + 8 of the row, as integers for
 // the quantized types), the block's multiplier (Q8_0 d, Q4_K dl, else 1) and negated min (Q4_K
@@ -268,27 +290,74 @@ DS4_HD void decode_block(const uint8_t* rs, int64_t i, int r, int t, Row8& v, fl
     MmaW<T>::template decode<E>(rs, 8 * static_cast<int>(i & 1), t, v, mul);
     nml = 0.0f;
   } else if constexpr (T == DType::Q4_K) {
-    // Pair E >> 1 of the stage is chunk c = 2 (i & 1) + (E >> 1) of the block: its qs bytes
-    // 32c + 8t .. + 8 hold sub-block 2c (low nibbles, E even) and 2c + 1 (high nibbles, E odd).
-    const uint4 head = *reinterpret_cast<const uint4*>(rs);
-    const uint2 q = *reinterpret_cast<const uint2*>(rs + 16 + 32 * (E >> 1) + 8 * t);
-    float dl0, ml0, dl1, ml1;
-    q4k_pair_scales(head, 2 * static_cast<int>(i & 1) + (E >> 1), dl0, ml0, dl1, ml1);
-    if constexpr ((E & 1) == 0) {
-      q4k_nibbles<false>(q, v);
-      mul = dl0;
-      nml = -ml0;
-    } else {
-      q4k_nibbles<true>(q, v);
-      mul = dl1;
-      nml = -ml1;
-    }
+    q4k_decode<E>(rs, rs + 16, static_cast<int>(i & 1), t, v, mul, nml);
   } else {
     MmaW<T>::template decode<E>(rs, r, t, v);
     mul = 1.0f;
     nml = 0.0f;
   }
 }
+
+// --- phase 5: streaming stages (MMA.md "Phase 5: streaming") -----------------------------------
+//
+// A streaming stage holds ch (2, 4 or 8) consecutive 128-k chunks of each of the block's 64 rows:
+// the row's bytes [CB ch is, CB ch (is + 1)) for stage is (CB = 136 bytes a chunk for Q8_0, 72 for
+// Q4_K, 256 for F16/BF16; ch even makes both ends 16-byte aligned, so the copy is nvec = CB ch / 16
+// whole contiguous vectors, 272 .. 1088 bytes of one row), stored as they lie in the row (F16/BF16:
+// vector v of row r at v ^ 4 (r & 1), the phase-1 swizzle) with a row stride of 16 nvec bytes.
+// Chunk j of the stage then decodes exactly as phase 1's stage of that chunk did: Q8_0 from byte
+// 136 j & ~15 with off 8 (j & 1) (the same bytes phase 1 copied to its stage: 136 i & ~15 of the
+// row, i = ch is + j, and i & 1 = j & 1); Q4_K the head of block j >> 1 of the stage and its qs
+// half j & 1; F16/BF16 vectors 16 j .. 16 j + 15. Only where the bytes sit changes, never a value.
+template <DType T>
+DS4_HD constexpr int stream_chunk_bytes() {
+  return T == DType::Q8_0 ? 136 : T == DType::Q4_K ? 72 : 256;
+}
+template <DType T>
+DS4_HD constexpr int stream_nvec(int ch) {
+  return stream_chunk_bytes<T>() * ch / 16;
+}
+// Source byte (within the row) of vector v of stage is, and where it goes in the stage row (in vectors).
+template <DType T>
+DS4_HD int64_t stream_src(int64_t is, int ch, int v) {
+  return static_cast<int64_t>(stream_chunk_bytes<T>()) * ch * is + 16 * v;
+}
+template <DType T>
+DS4_HD int stream_dst(int v, int r) {
+  return T == DType::F16 || T == DType::BF16 ? v ^ ((r & 1) << 2) : v;
+}
+// k-block E of chunk j of a streaming stage, from the stage row `row` (row r of the block): the
+// same values, multiplier and negated min as decode_block of that chunk in phase 1's stage.
+template <DType T, int E>
+DS4_HD void stream_decode(const uint8_t* row, int j, int r, int t, Row8& v, float& mul, float& nml) {
+  if constexpr (T == DType::Q8_0) {
+    MmaW<T>::template decode<E>(row + (136 * j & ~15), 8 * (j & 1), t, v, mul);
+    nml = 0.0f;
+  } else if constexpr (T == DType::Q4_K) {
+    const uint8_t* head = row + 144 * (j >> 1);
+    q4k_decode<E>(head, head + 16 + 64 * (j & 1), j & 1, t, v, mul, nml);
+  } else {
+    MmaW<T>::template decode<E>(row + 256 * j, r, t, v);
+    mul = 1.0f;
+    nml = 0.0f;
+  }
+}
+// The stage's activations: nx columns (nx <= 8; B columns nx .. 7 are zeros in registers, never
+// read) of the stage's 128 ch k as hi and lo, [column][128 ch + 4] floats each (the raw x is
+// copied into hi's place and split there), and Q4_K's Sx as [column][4 ch] (one per k-block).
+DS4_HD constexpr int stream_xstride(int ch) { return static_cast<int>(kMmaStageK) * ch + 4; }
+// Raw x: vector q (0 .. 32 ch) of column c of stage is comes from element 128 ch is + 4 q of the
+// column and goes to float stream_x_at(c, ch, 4 q) of hi; thread t reads k-block kb of chunk jc of
+// column c at stream_x_at(c, ch, 128 jc + 32 kb + 8 t) (8 floats, in hi and lo alike).
+DS4_HD int64_t stream_x_src(int64_t is, int ch, int q) { return static_cast<int64_t>(kMmaStageK) * ch * is + 4 * q; }
+DS4_HD constexpr int stream_x_at(int c, int ch, int e) { return c * stream_xstride(ch) + e; }
+// Sx of column c, k-block b (0 .. 4 ch) of the stage.
+DS4_HD constexpr int stream_sx_at(int c, int ch, int b) { return c * 4 * ch + b; }
+template <DType T>
+DS4_HD constexpr int stream_stage_bytes(int ch, int nx) {
+  return 64 * 16 * stream_nvec<T>(ch) + 2 * nx * stream_xstride(ch) * 4 + (T == DType::Q4_K ? nx * 4 * ch * 4 : 0);
+}
+constexpr int kStreamMaxStages = 8;  // cp_async_wait_dyn's range
 
 // --- stage geometry --------------------------------------------------------------------------------
 
@@ -337,6 +406,8 @@ struct MmaArgs {
   const int32_t* n_parts;
   const int32_t* sorted;
   const int32_t* x_row;
+  // mma_stream_kernel (phase 5): chunks a stage, stages, activation columns staged, bytes a stage.
+  int ch, nst, nx, stage_bytes;
 };
 
 // --- the block body ------------------------------------------------------------------------------
@@ -679,6 +750,303 @@ __global__ void __launch_bounds__(kThreads, mma_min_blocks(MT, NT)) mma_kernel(M
   }
 }
 
+// --- phase 5: the streaming kernel -------------------------------------------------------------
+
+// cp.async.wait_group with a run-time count (the stage count is a launch choice): at most n groups
+// of this thread still in flight.
+__device__ __forceinline__ void cp_async_wait_dyn(int n) {
+  switch (n) {
+    case 0: ds4_cp_async_wait<0>(); break;
+    case 1: ds4_cp_async_wait<1>(); break;
+    case 2: ds4_cp_async_wait<2>(); break;
+    case 3: ds4_cp_async_wait<3>(); break;
+    case 4: ds4_cp_async_wait<4>(); break;
+    case 5: ds4_cp_async_wait<5>(); break;
+    default: ds4_cp_async_wait<6>(); break;
+  }
+}
+
+__device__ __forceinline__ int ilog2(int v) { return 31 - __clz(v); }
+
+// mma_body's work (MT 1, NT 1: 64 rows, one n-tile) over streaming stages of a.ch chunks (a.nst of
+// them in the ring, a.stage_bytes each, a.nx activation columns). Per (row, column) the same
+// values in the same order as mma_body: for each chunk i in [i0, i1), k-blocks in pairs, each block's
+// P an 8-MMA chain (hi k-steps 0..3, lo 0..3) from +0, then acc = fmaf(P, mul, acc) (Q4_K: and
+// fmaf(-ml, Sx, acc); F16/BF16 acc + P), the slice ends at the same chunks with the same stores or
+// register fold, the FOLD tail the same loop. [i0, i1) is whole stages (the launcher picks ch
+// dividing the chunks a block computes).
+template <DType T, bool PARTIALS, bool FOLD>
+__device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __restrict__ Wm, int row0, const Cols<8>& cols,
+                                            int i0, int i1, int spc, uint8_t* smem) {
+  constexpr int NP = 8, BR = 64;
+  constexpr bool kQ4K = T == DType::Q4_K;
+  const int ch = a.ch, S = a.nst, nx = a.nx, SB = a.stage_bytes;
+  const int nvec = stream_nvec<T>(ch), wstride = 16 * nvec, xs = stream_xstride(ch);
+  const int wbytes = BR * wstride;
+  const int tid = static_cast<int>(threadIdx.x), warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+  const int g = lane >> 2, t = lane & 3;
+  const int ncol = cols.n < nx ? cols.n : nx;  // columns with data; ncol .. nx - 1 are zeros
+  const int lgx = ilog2(32 * ch);             // raw x vectors a column (32 ch), log2
+  const int lgp = ilog2(16 * ch);             // 8-element pieces a column (16 ch), log2
+
+  auto w_stage = [&](int st) { return smem + st * SB; };
+  auto hi_stage = [&](int st) { return reinterpret_cast<float*>(smem + st * SB + wbytes); };
+  auto lo_stage = [&](int st) { return hi_stage(st) + nx * xs; };
+  auto sx_stage = [&](int st) { return hi_stage(st) + 2 * nx * xs; };
+
+  // Stage is into ring slot st: 8 threads a row (their 16-byte copies of one instruction are 128
+  // contiguous bytes of the row), 16 rows at a time; the row pointer once a row. Rows past the
+  // matrix re-read its last row (never stored). Then the raw activations of the staged columns.
+  auto issue = [&](int is, int st) {
+    uint8_t* ws = w_stage(st);
+    const int l8 = tid & 7;
+    for (int r = tid >> 3; r < BR; r += kThreads / 8) {
+      const int row = row0 + r < a.rows ? row0 + r : a.rows - 1;
+      const uint8_t* src = Wm + static_cast<int64_t>(row) * a.row_bytes;
+      uint8_t* dst = ws + r * wstride;
+      for (int v = l8; v < nvec; v += 8) ds4_cp_async16(dst + 16 * stream_dst<T>(v, r), src + stream_src<T>(is, ch, v));
+    }
+    float* hs = hi_stage(st);
+    for (int v = tid; v < (ncol << lgx); v += kThreads) {
+      const int j = v >> lgx, q = v & ((1 << lgx) - 1);
+      ds4_cp_async16(hs + stream_x_at(j, ch, 4 * q), a.X + cols.x[j] + stream_x_src(is, ch, q));
+    }
+  };
+
+  // The landed raw x of slot st split in place (hi over x), lo beside it, Q4_K's Sx: mma_body's
+  // store_b per 8-element piece (the same mma_split, piece_sum and two shuffles). Pieces of a
+  // k-block sit on 4 consecutive lanes; the loop is warp-uniform (nx * 16 ch is a multiple of 32).
+  auto split = [&](int st) {
+    float* hs = hi_stage(st);
+    float* ls = lo_stage(st);
+    float* ss = sx_stage(st);
+    const int np = nx << lgp;
+    for (int base = warp * DS4_WARP; base < np; base += kThreads) {
+      const int idx = base + lane, j = idx >> lgp, q = idx & ((1 << lgp) - 1);
+      float v[8];
+      float4* hp = reinterpret_cast<float4*>(hs + stream_x_at(j, ch, 8 * q));
+      float4* lp = reinterpret_cast<float4*>(ls + stream_x_at(j, ch, 8 * q));
+      if (j < ncol) {
+        const float4 x0 = hp[0], x1 = hp[1];
+        v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
+      } else {
+#pragma unroll
+        for (int e = 0; e < 8; ++e) v[e] = 0.0f;
+      }
+      float h[8], l[8];
+#pragma unroll
+      for (int e = 0; e < 8; ++e) mma_split(v[e], h[e], l[e]);
+      hp[0] = make_float4(h[0], h[1], h[2], h[3]);
+      hp[1] = make_float4(h[4], h[5], h[6], h[7]);
+      lp[0] = make_float4(l[0], l[1], l[2], l[3]);
+      lp[1] = make_float4(l[4], l[5], l[6], l[7]);
+      if constexpr (kQ4K) {
+        float sm = piece_sum(v);
+        sm = sm + ds4_shfl_xor(sm, 1);
+        sm = sm + ds4_shfl_xor(sm, 2);
+        if ((q & 3) == 0) ss[stream_sx_at(j, ch, q >> 2)] = sm;
+      }
+    }
+  };
+
+  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, run[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+
+  // Chunk jc of slot st: mma_body's compute for MT = NT = 1.
+  auto compute = [&](int st, int jc) {
+    const uint8_t* ws = w_stage(st);
+    const float* hs = hi_stage(st);
+    const float* ls = lo_stage(st);
+    const float* ss = sx_stage(st);
+#pragma unroll
+    for (int bp = 0; bp < KB / 2; ++bp) {
+      Row8 va[2][2];  // [block of the pair][row g, row g + 8]
+      float mul[2][2], nml[2][2];
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int r = warp * 16 + g + 8 * hr;
+        const uint8_t* row = ws + r * wstride;
+        if (bp == 0) {
+          stream_decode<T, 0>(row, jc, r, t, va[0][hr], mul[0][hr], nml[0][hr]);
+          stream_decode<T, 1>(row, jc, r, t, va[1][hr], mul[1][hr], nml[1][hr]);
+        } else {
+          stream_decode<T, 2>(row, jc, r, t, va[0][hr], mul[0][hr], nml[0][hr]);
+          stream_decode<T, 3>(row, jc, r, t, va[1][hr], mul[1][hr], nml[1][hr]);
+        }
+      }
+      float bh[2][8], bl[2][8], sx[2][2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const int kb = 2 * bp + e;
+        if (g < nx) {
+          const float4* hp = reinterpret_cast<const float4*>(hs + stream_x_at(g, ch, KC * jc + 32 * kb + 8 * t));
+          const float4* lp = reinterpret_cast<const float4*>(ls + stream_x_at(g, ch, KC * jc + 32 * kb + 8 * t));
+          const float4 h0 = hp[0], h1 = hp[1], l0 = lp[0], l1 = lp[1];
+          bh[e][0] = h0.x, bh[e][1] = h0.y, bh[e][2] = h0.z, bh[e][3] = h0.w;
+          bh[e][4] = h1.x, bh[e][5] = h1.y, bh[e][6] = h1.z, bh[e][7] = h1.w;
+          bl[e][0] = l0.x, bl[e][1] = l0.y, bl[e][2] = l0.z, bl[e][3] = l0.w;
+          bl[e][4] = l1.x, bl[e][5] = l1.y, bl[e][6] = l1.z, bl[e][7] = l1.w;
+        } else {
+#pragma unroll
+          for (int k = 0; k < 8; ++k) bh[e][k] = bl[e][k] = 0.0f;
+        }
+        if constexpr (kQ4K) {
+          sx[e][0] = 2 * t < nx ? ss[stream_sx_at(2 * t, ch, 4 * jc + kb)] : 0.0f;
+          sx[e][1] = 2 * t + 1 < nx ? ss[stream_sx_at(2 * t + 1, ch, 4 * jc + kb)] : 0.0f;
+        } else {
+          sx[e][0] = sx[e][1] = 0.0f;
+        }
+      }
+      float P[2][4];
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) P[e][r] = 0.0f;
+#pragma unroll
+      for (int step = 0; step < 8; ++step) {
+        const int sk = step & 3;
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const uint32_t b0 = __float_as_uint(step < 4 ? bh[e][sk] : bl[e][sk]);
+          const uint32_t b1 = __float_as_uint(step < 4 ? bh[e][4 + sk] : bl[e][4 + sk]);
+          mma_tf32(P[e], __float_as_uint(va[e][0].v[sk]), __float_as_uint(va[e][1].v[sk]),
+                   __float_as_uint(va[e][0].v[4 + sk]), __float_as_uint(va[e][1].v[4 + sk]), b0, b1);
+        }
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          if constexpr (T == DType::F16 || T == DType::BF16) {
+            acc[r] = acc[r] + P[e][r];
+          } else {
+            acc[r] = fmaf(P[e][r], mul[e][r >> 1], acc[r]);
+            if constexpr (kQ4K) acc[r] = fmaf(nml[e][r >> 1], sx[e][r & 1], acc[r]);
+          }
+        }
+    }
+  };
+
+  // mma_body's store for MT = NT = 1.
+  auto store = [&](const float (&v)[4], int slice) {
+    const bool to_part = PARTIALS && a.ks > 1;
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const int row = row0 + warp * 16 + g + 8 * (r >> 1);
+      const int n = 2 * t + (r & 1);
+      if (row >= a.rows || n >= cols.n) continue;
+      if (to_part) a.part[(static_cast<int64_t>(slice) * a.pcols + cols.p[n]) * a.rows + row] = v[r];
+      else a.Y[cols.y[n] + row] = v[r];
+    }
+  };
+
+  // The pipeline: stage is + S - 1 is copied while stage is is split and computed. One group a
+  // step (empty past the end), so wait(S - 2) means "stage is has landed" for this thread's copies;
+  // the barrier after it makes every thread's copies visible.
+  const int s0 = i0 / ch, s1 = i1 / ch;
+#pragma unroll 1
+  for (int k = 0; k < S - 1; ++k) {
+    if (s0 + k < s1) issue(s0 + k, k);
+    ds4_cp_async_commit();
+  }
+  int st = 0;
+#pragma unroll 1
+  for (int is = s0; is < s1; ++is) {
+    cp_async_wait_dyn(S - 2);
+    __syncthreads();  // stage is is in; slot (st - 1) mod S (stage is - 1) is no longer read
+    const int nxt = is + S - 1;
+    if (nxt < s1) issue(nxt, st == 0 ? S - 1 : st - 1);
+    ds4_cp_async_commit();
+    split(st);
+    __syncthreads();  // hi / lo / Sx of stage is are written
+#pragma unroll 1
+    for (int jc = 0; jc < ch; ++jc) {
+      compute(st, jc);
+      const int i = is * ch + jc;  // the chunk index within K
+      if ((i + 1) % spc == 0) {
+        if constexpr (PARTIALS) {
+          store(acc, i / spc);
+#pragma unroll
+          for (int r = 0; r < 4; ++r) acc[r] = 0.0f;
+        } else {
+          const bool first = i + 1 == spc;
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            run[r] = first ? acc[r] : run[r] + acc[r];
+            acc[r] = 0.0f;
+          }
+        }
+      }
+    }
+    st = st + 1 == S ? 0 : st + 1;
+  }
+  ds4_cp_async_wait<0>();
+  if constexpr (!PARTIALS) store(run, 0);
+  if constexpr (PARTIALS && FOLD) {
+    // mma_body's FOLD tail (NP = 8, BR = 64).
+    cluster_barrier();
+    const int64_t stride = a.pcols * a.rows;
+    const int zc = static_cast<int>(gridDim.z);
+    for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
+      const int n = o / BR, row = row0 + o % BR;
+      if (n >= cols.n || row >= a.rows) continue;
+      const float* q = a.part + cols.p[n] * a.rows + row;
+      float v = __ldcg(q);
+      for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
+      a.Y[cols.y[n] + row] = v;
+    }
+  }
+}
+
+// Blocks an SM the streaming kernel's registers must allow.
+constexpr int kStreamMinBlocks = 3;
+
+// mma_kernel's narrow NT 1 / grouped forms over streaming stages. Dense: block (pass x, row block y,
+// slice z), one pass of at most a.nx columns; grouped: block (row block x, part y, slice z), a part's
+// pairs in pieces of a.nx columns (a part of more pairs than a.nx streams its rows once a piece).
+template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+__global__ void __launch_bounds__(kThreads, kStreamMinBlocks) mma_stream_kernel(MmaArgs a) {
+  extern __shared__ __align__(16) uint8_t mma_smem[];
+  constexpr int NP = 8, BR = 64;
+  __shared__ Cols<NP> cols;
+  const int tid = static_cast<int>(threadIdx.x);
+  const int nchunks = a.K / KC, spc = nchunks / a.ks;
+  const int i0 = PARTIALS ? static_cast<int>(blockIdx.z) * a.gs * spc : 0;
+  const int i1 = PARTIALS ? min(i0 + a.gs * spc, nchunks) : nchunks;
+  if constexpr (!GROUPED) {
+    const int c0 = static_cast<int>(blockIdx.x) * NP;
+    const int row0 = static_cast<int>(blockIdx.y) * BR;
+    if (tid < NP) {
+      const int c = c0 + tid;
+      cols.x[tid] = static_cast<int64_t>(c) * a.ldx;
+      cols.y[tid] = static_cast<int64_t>(c) * a.ldy;
+      cols.p[tid] = c;
+    }
+    if (tid == 0) cols.n = a.ncols - c0 < NP ? a.ncols - c0 : NP;
+    __syncthreads();
+    stream_body<T, PARTIALS, FOLD>(a, a.W, row0, cols, i0, i1, spc, mma_smem);
+  } else {
+    const int p = static_cast<int>(blockIdx.y);
+    if (p >= *a.n_parts) return;
+    const ExpertPart pt = a.parts[p];
+    const int row0 = static_cast<int>(blockIdx.x) * BR;
+    const uint8_t* We = a.W + static_cast<int64_t>(pt.expert) * a.expert_bytes;
+    for (int c0 = 0; c0 < pt.count; c0 += a.nx) {
+      __syncthreads();  // the previous piece is done with the column table and the stages
+      if (tid < a.nx) {
+        const int j = c0 + tid < pt.count ? c0 + tid : c0;  // past the piece: any valid pair (never stored)
+        const int32_t pair = a.sorted[pt.first + j];
+        const int32_t xr = a.x_row != nullptr ? a.x_row[pair] : pair;
+        cols.x[tid] = static_cast<int64_t>(xr) * a.ldx;
+        cols.y[tid] = static_cast<int64_t>(pair) * a.ldy;
+        cols.p[tid] = pt.first + j;
+      }
+      if (tid == 0) cols.n = pt.count - c0 < a.nx ? pt.count - c0 : a.nx;
+      __syncthreads();
+      stream_body<T, PARTIALS, FOLD>(a, We, row0, cols, i0, i1, spc, mma_smem);
+    }
+  }
+}
+
 // The slices' partial sums in slice order: y = p_0, then y = y + p_s.
 __global__ void __launch_bounds__(256)
     mma_fold_kernel(const float* __restrict__ part, int ks, int rows, int ncols, float* __restrict__ Y, int64_t ldy) {
@@ -763,7 +1131,9 @@ __global__ void mma_probe_kernel(float* out) {
 struct MmaDevice {
   int sms = 132;
   int optin = 48 * 1024;
+  int smem_sm = 100 * 1024;  // shared memory an SM
   int max_cluster = 1;  // largest cluster every FOLD kernel can be launched with (1: no clusters)
+  int stream_fold_smem = 48 * 1024;  // the most a streaming FOLD launch takes (its cluster query's size)
 };
 MmaDevice g_dev;
 std::once_flag g_prepare_once;
@@ -780,6 +1150,16 @@ MmaConfig config_now() {
     if (const char* e = std::getenv("DS4_GPU_MMA_WIDE")) g_config.wide = std::string(e) != "0";
     if (const char* e = std::getenv("DS4_GPU_MMA_WIDE_NT")) g_config.wide_nt = std::atoi(e) >= 8 ? 8 : 4;
     if (const char* e = std::getenv("DS4_GPU_MMA_FOLD")) g_config.fold_inline = std::string(e) != "launch" && std::string(e) != "0";
+    // DS4_GPU_MMA_STREAM=0|1|2|4|8 (0 phase 1's stages, 1 auto), DS4_GPU_MMA_STREAM_BLOCKS=0..3.
+    if (const char* e = std::getenv("DS4_GPU_MMA_STREAM")) {
+      const int v = std::atoi(e);
+      g_config.stream = v <= 0 ? 0 : v == 1 ? 1 : v < 4 ? 2 : v < 8 ? 4 : 8;
+    }
+    if (const char* e = std::getenv("DS4_GPU_MMA_STREAM_BLOCKS")) g_config.stream_blocks = std::clamp(std::atoi(e), 0, 3);
+    if (const char* e = std::getenv("DS4_GPU_MMA_STREAM_COLS")) {
+      const int v = std::atoi(e);
+      g_config.stream_cols = v <= 0 ? 0 : v < 2 ? 1 : v < 4 ? 2 : v < 8 ? 4 : 8;
+    }
     g_config_env_read = true;
   }
   return g_config;
@@ -819,9 +1199,47 @@ void set_attr() {
   }
 }
 
+// Shared memory a streaming block may take so that `blocks` of them fit an SM (the system's 1 KB a
+// block and the kernel's static column table off), at most the opt-in limit; multiple of 16.
+int stream_budget(int blocks) {
+  const int b = std::min(g_dev.optin, g_dev.smem_sm / std::max(blocks, 1) - 1024 - 256);
+  return std::max(b, 0) & ~15;
+}
+constexpr int kStreamBlocksAuto = 3;
+
+template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+void set_stream_attr() {
+  const void* fn = reinterpret_cast<const void*>(&mma_stream_kernel<T, PARTIALS, GROUPED, FOLD>);
+  DS4_GPU_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, g_dev.optin));
+  if constexpr (FOLD) {
+    if (g_dev.max_cluster <= 1) return;
+    // As set_attr: the largest cluster co-schedulable at the shared memory a streaming FOLD launch
+    // takes at most (g_dev.stream_fold_smem: the launcher caps its ring there).
+    int cap = 8;
+    if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+      cudaLaunchConfig_t lc = {};
+      lc.gridDim = dim3(1, 1, 16);
+      lc.blockDim = dim3(kThreads, 1, 1);
+      lc.dynamicSmemBytes = static_cast<size_t>(g_dev.stream_fold_smem);
+      int most = 0;
+      if (cudaOccupancyMaxPotentialClusterSize(&most, fn, &lc) == cudaSuccess && most > 0) cap = most;
+    }
+    (void)cudaGetLastError();
+    int pow2 = 1;
+    while (pow2 * 2 <= std::min(cap, 16)) pow2 *= 2;
+    g_dev.max_cluster = std::min(g_dev.max_cluster, pow2);
+  }
+}
+
 // Every instantiation the launchers use, per type.
 template <DType T>
 void set_attrs_type() {
+  set_stream_attr<T, false, false, false>();
+  set_stream_attr<T, true, false, false>();
+  set_stream_attr<T, true, false, true>();
+  set_stream_attr<T, false, true, false>();
+  set_stream_attr<T, true, true, false>();
+  set_stream_attr<T, true, true, true>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), false, false, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false, true>();
@@ -851,6 +1269,13 @@ void prepare_once() {
   g_dev.sms = std::max(sms, 1);
   // Less the kernels' static shared memory (the column table, at most 1.6 KB) and a margin.
   g_dev.optin = optin - 2048;
+  int smem_sm = 0;
+  if (cudaDeviceGetAttribute(&smem_sm, cudaDevAttrMaxSharedMemoryPerMultiprocessor, dev) != cudaSuccess || smem_sm <= 0) {
+    (void)cudaGetLastError();
+    smem_sm = optin;
+  }
+  g_dev.smem_sm = smem_sm;
+  g_dev.stream_fold_smem = stream_budget(kStreamBlocksAuto);
   // The FOLD kernels' barrier is sm_90 code (the build's -arch must be sm_90 or newer too: the
   // module is built for one architecture, so a device of cc >= 9 runs sm_90+ code).
   g_dev.max_cluster = cc >= 9 && cluster != 0 ? 16 : 1;
@@ -939,6 +1364,89 @@ void launch_fold(dim3 grid, const MmaArgs& a, cudaStream_t s) {
   DS4_GPU_CHECK_LAUNCH("mma_kernel (fold inline)");
 }
 
+// --- phase 5: the streaming launch shape --------------------------------------------------------
+
+struct StreamShape {
+  int ch = 0;  // 0: phase 1's kernel
+  int nst = 0, nx = 0, bytes = 0;
+};
+
+int pow2_at_least(int v) {
+  int p = 1;
+  while (p < v) p *= 2;
+  return p;
+}
+
+// The streaming stages of a call whose blocks each compute block_chunks chunks with nx staged
+// columns (cfg.stream: MmaConfig). The ring: as many stages of ch chunks as fit the budget of
+// cfg.stream_blocks blocks an SM, at most kStreamMaxStages and at most one more than the block has
+// (then the prologue issues all of them). Auto: the ch with the most weight bytes in flight at the
+// first wait ((stages - 1) x a stage's rows, at most the block's), ties to the longer copy; phase
+// 1's kernel where its ring keeps more in flight. A forced ch: the largest one <= it that fits.
+template <DType T>
+StreamShape stream_shape(const MmaConfig& cfg, int nx, int block_chunks, bool fold) {
+  StreamShape best;
+  if (cfg.stream == 0) return best;
+  int budget = stream_budget(cfg.stream_blocks > 0 ? cfg.stream_blocks : kStreamBlocksAuto);
+  if (fold) budget = std::min(budget, g_dev.stream_fold_smem);
+  int64_t best_score = -1;
+  for (int ch = cfg.stream == 1 ? 8 : cfg.stream; ch >= 2; ch /= 2) {
+    if (block_chunks % ch != 0) continue;
+    const int sb = stream_stage_bytes<T>(ch, nx), nst_block = block_chunks / ch;
+    const int nst = std::min({budget / sb, kStreamMaxStages, nst_block + 1});
+    if (nst < 2) continue;
+    const StreamShape sh{ch, nst, nx, sb};
+    if (cfg.stream != 1) return sh;
+    const int64_t score = static_cast<int64_t>(std::min(nst - 1, nst_block)) * 64 * 16 * stream_nvec<T>(ch);
+    if (score > best_score) {
+      best_score = score;
+      best = sh;
+    }
+  }
+  if (cfg.stream == 1 && best.ch != 0) {
+    const int64_t phase1 = static_cast<int64_t>(narrow_stages<T, 1>() - 1) * 64 * MmaW<T>::kStride;
+    if (best_score < phase1) best = StreamShape{};
+  }
+  return best;
+}
+
+// The shape the last call launched (testing::mma_last_launch; the bench prints it).
+std::mutex g_last_mu;
+StreamShape g_last_shape;
+void note_launch(const StreamShape& sh) {
+  std::lock_guard<std::mutex> lock(g_last_mu);
+  g_last_shape = sh;
+}
+
+template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+void launch_stream(dim3 grid, MmaArgs a, const StreamShape& sh, cudaStream_t s) {
+  note_launch(sh);
+  a.ch = sh.ch;
+  a.nst = sh.nst;
+  a.nx = sh.nx;
+  a.stage_bytes = sh.bytes;
+  const size_t smem = static_cast<size_t>(sh.nst) * static_cast<size_t>(sh.bytes);
+  if constexpr (!FOLD) {
+    mma_stream_kernel<T, PARTIALS, GROUPED, false><<<grid, kThreads, smem, s>>>(a);
+    DS4_GPU_CHECK_LAUNCH("mma_stream_kernel");
+  } else {
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = grid;
+    lc.blockDim = dim3(kThreads, 1, 1);
+    lc.dynamicSmemBytes = smem;
+    lc.stream = s;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeClusterDimension;
+    attr[0].val.clusterDim.x = 1;
+    attr[0].val.clusterDim.y = 1;
+    attr[0].val.clusterDim.z = grid.z;
+    lc.attrs = attr;
+    lc.numAttrs = 1;
+    DS4_GPU_CHECK(cudaLaunchKernelEx(&lc, mma_stream_kernel<T, PARTIALS, GROUPED, true>, a));
+    DS4_GPU_CHECK_LAUNCH("mma_stream_kernel (fold inline)");
+  }
+}
+
 // Whether a sliced narrow/grouped launch of zc slice groups folds in its clusters.
 bool fold_inline_for(const MmaConfig& cfg, int zc) { return cfg.fold_inline && zc > 1 && zc <= g_dev.max_cluster; }
 
@@ -953,6 +1461,7 @@ void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
   a.ldy = ldy;
   a.ncols = ncols;
   const size_t part_bytes = ks > 1 ? static_cast<size_t>(ks) * ncols * rows * sizeof(float) : 0;
+  note_launch(StreamShape{});
   // Wide: pre-split columns, 2 m-tiles a warp, one slice a block (partials when KS > 1).
   if (cfg.wide && ncols > 16 && cfg.slices != 1 && round_up(ncols, kMaxNP) <= 65535) {
     const size_t pre = presplit_bytes(K, ncols);
@@ -994,7 +1503,14 @@ void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
   a.gs = par ? ks / zc : ks;
   const dim3 grid(static_cast<unsigned>(passes), static_cast<unsigned>(rb), static_cast<unsigned>(par ? zc : 1));
   const bool inl = par && fold_inline_for(cfg, zc);
-  if (nt == 1) {
+  const int nchunks = static_cast<int>(K / KC);
+  const StreamShape sh = nt == 1 ? stream_shape<T>(cfg, pow2_at_least(ncols), par ? a.gs * (nchunks / ks) : nchunks, inl)
+                                 : StreamShape{};
+  if (sh.ch != 0) {
+    if (inl) launch_stream<T, true, false, true>(grid, a, sh, s);
+    else if (par) launch_stream<T, true, false, false>(grid, a, sh, s);
+    else launch_stream<T, false, false, false>(grid, a, sh, s);
+  } else if (nt == 1) {
     constexpr int S = narrow_stages<T, 1>();
     if (inl) launch_fold<T, 1, 1, S, false>(grid, a, s);
     else if (par) launch<T, 1, 1, S, true, false, false>(grid, a, s);
@@ -1015,7 +1531,7 @@ void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
 template <DType T>
 void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                    const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                   int64_t ldy, cudaStream_t s, float* scratch, size_t scratch_bytes) {
+                   int64_t ldy, cudaStream_t s, int max_cols, float* scratch, size_t scratch_bytes) {
   const int ks = mma_kslices(W);
   const MmaConfig cfg = config_now();
   const int64_t rows = W.ne[1];
@@ -1031,6 +1547,7 @@ void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* 
   a.pcols = 8 * static_cast<int64_t>(max_parts);
   a.part = scratch;
   const size_t need = mma_grouped_scratch_bytes(W, max_parts);
+  note_launch(StreamShape{});
   const int64_t rb = (rows + 63) / 64;
   const bool room = ks > 1 && scratch != nullptr && scratch_bytes >= need;
   const int zc = slice_groups_narrow(ks, rb * max_parts, cfg);
@@ -1039,7 +1556,14 @@ void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* 
   const dim3 grid(static_cast<unsigned>(rb), static_cast<unsigned>(max_parts), static_cast<unsigned>(par ? zc : 1));
   constexpr int S = narrow_stages<T, 1>();
   const bool inl = par && fold_inline_for(cfg, zc);
-  if (inl) launch_fold<T, 1, 1, S, true>(grid, a, s);
+  const int nchunks = static_cast<int>(W.ne[0] / KC);
+  const int nx = cfg.stream_cols > 0 ? cfg.stream_cols : pow2_at_least(std::clamp(max_cols, 1, 8));
+  const StreamShape sh = stream_shape<T>(cfg, nx, par ? a.gs * (nchunks / ks) : nchunks, inl);
+  if (sh.ch != 0) {
+    if (inl) launch_stream<T, true, true, true>(grid, a, sh, s);
+    else if (par) launch_stream<T, true, true, false>(grid, a, sh, s);
+    else launch_stream<T, false, true, false>(grid, a, sh, s);
+  } else if (inl) launch_fold<T, 1, 1, S, true>(grid, a, s);
   else if (par) launch<T, 1, 1, S, true, true, false>(grid, a, s);
   else launch<T, 1, 1, S, false, true, false>(grid, a, s);
   if (par && !inl) {
@@ -1135,6 +1659,139 @@ int selftest_type(uint64_t seed, std::string* first) {
   return bad;
 }
 
+// Phase 5's stages: for ch = 2, 4, 8, every stage of random rows copied as the streaming kernel's
+// issue does (stream_src / stream_dst: every source vector inside the row, every destination inside
+// the stage row and written once), then every chunk j, k-block E and thread t decoded by
+// stream_decode and compared with the CPU's weights, for both row parities (the F16/BF16 swizzle).
+template <DType T>
+int stream_selftest_type(uint64_t seed, std::string* first) {
+  constexpr int64_t K = 2048;
+  const int64_t rb = K / block_elems(T) * block_bytes(T);
+  std::mt19937_64 gen(seed ^ (static_cast<uint64_t>(T) << 8) ^ 0x5eedu);
+  std::vector<uint8_t> row(static_cast<size_t>(rb));
+  std::vector<float> deq(static_cast<size_t>(K));
+  auto fail = [&](const std::string& why) {
+    if (first != nullptr && first->empty()) *first = std::string(dtype_name(T)) + " (streaming stage) " + why;
+  };
+  int bad = 0;
+  for (int trial = 0; trial < 8; ++trial) {
+    selftest_bytes<T>(gen, row.data(), rb);
+    dequantize_row(T, row.data(), deq.data(), K);
+    for (int ch = 2; ch <= 8; ch *= 2) {
+      const int nvec = stream_nvec<T>(ch);
+      if (nvec * 16 != stream_chunk_bytes<T>() * ch) {
+        fail("ch " + std::to_string(ch) + ": a stage row is not whole vectors");
+        return bad + 1;
+      }
+      for (int64_t is = 0; is < K / KC / ch; ++is) {
+        for (int r = 0; r < 2; ++r) {
+          std::vector<uint8_t> stage(static_cast<size_t>(16 * nvec), 0);
+          std::vector<int> hit(static_cast<size_t>(nvec), 0);
+          for (int v = 0; v < nvec; ++v) {
+            const int64_t src = stream_src<T>(is, ch, v);
+            const int dst = stream_dst<T>(v, r);
+            if (src < 0 || src + 16 > rb || src % 16 != 0 || dst < 0 || dst >= nvec || hit[static_cast<size_t>(dst)]++ != 0) {
+              fail("ch " + std::to_string(ch) + " stage " + std::to_string(is) + " vector " + std::to_string(v) + ": source byte " +
+                   std::to_string(src) + " of a " + std::to_string(rb) + "-byte row, destination vector " + std::to_string(dst) +
+                   " of " + std::to_string(nvec));
+              return bad + 1;
+            }
+            std::memcpy(stage.data() + 16 * dst, row.data() + src, 16);
+          }
+          for (int j = 0; j < ch; ++j) {
+            for (int E = 0; E < 4; ++E) {
+              for (int t = 0; t < 4; ++t) {
+                Row8 v;
+                float mul = 0.0f, nml = 0.0f;
+                switch (E) {
+                  case 0: stream_decode<T, 0>(stage.data(), j, r, t, v, mul, nml); break;
+                  case 1: stream_decode<T, 1>(stage.data(), j, r, t, v, mul, nml); break;
+                  case 2: stream_decode<T, 2>(stage.data(), j, r, t, v, mul, nml); break;
+                  default: stream_decode<T, 3>(stage.data(), j, r, t, v, mul, nml); break;
+                }
+                for (int e = 0; e < 8; ++e) {
+                  const int64_t k = KC * (ch * is + j) + 32 * E + 8 * t + e;
+                  float got;
+                  if constexpr (T == DType::Q8_0) got = v.v[e] * mul;
+                  else if constexpr (T == DType::Q4_K) got = fmaf(mul, v.v[e], nml);
+                  else got = v.v[e];
+                  if (!(got == deq[k]) && !(got != got && deq[k] != deq[k])) {
+                    if (bad == 0)
+                      fail("ch " + std::to_string(ch) + " stage " + std::to_string(is) + " chunk " + std::to_string(j) +
+                           " row parity " + std::to_string(r) + " block " + std::to_string(E) + " t " + std::to_string(t) +
+                           " element " + std::to_string(k) + ": decoded " + std::to_string(got) + ", CPU " +
+                           std::to_string(deq[k]));
+                    ++bad;
+                  }
+                }
+              }
+            }
+          }
+        }
+      }
+    }
+  }
+  return bad;
+}
+
+// Phase 5's activation stage: the raw copy (stream_x_src -> stream_x_at) of nx columns of a stage,
+// then where the split reads each 8-element piece, where compute reads thread t's k-block, and
+// where Sx goes and is read: each must name the element (column, k) it stands for, every stage
+// float at most one source, and a column's floats inside its stride.
+int stream_x_selftest(std::string* first) {
+  int bad = 0;
+  auto fail = [&](const std::string& why) {
+    if (first != nullptr && first->empty()) *first = "activation stage: " + why;
+    ++bad;
+  };
+  constexpr int64_t K = 2048;
+  for (int ch = 2; ch <= 8; ch *= 2) {
+    const int nx = 8, xs = stream_xstride(ch);
+    for (int64_t is = 0; is < K / KC / ch; ++is) {
+      // Element (c, k) encoded as c * K + k.
+      std::vector<int64_t> stage(static_cast<size_t>(nx) * xs, -1);
+      for (int c = 0; c < nx; ++c)
+        for (int q = 0; q < 32 * ch; ++q) {
+          const int64_t src = stream_x_src(is, ch, q);
+          const int at = stream_x_at(c, ch, 4 * q);
+          if (at % 4 != 0 || at < c * xs || at + 4 > c * xs + xs - 4 || src + 4 > K) {
+            fail("ch " + std::to_string(ch) + " column " + std::to_string(c) + " vector " + std::to_string(q) + " lands at float " +
+                 std::to_string(at));
+            return bad;
+          }
+          for (int e = 0; e < 4; ++e) {
+            if (stage[static_cast<size_t>(at + e)] != -1) fail("two copies land on float " + std::to_string(at + e));
+            stage[static_cast<size_t>(at + e)] = c * K + src + e;
+          }
+        }
+      for (int c = 0; c < nx; ++c) {
+        for (int q = 0; q < 16 * ch; ++q)  // the split's piece q: elements 8q .. 8q + 7 of the stage
+          for (int e = 0; e < 8; ++e)
+            if (stage[static_cast<size_t>(stream_x_at(c, ch, 8 * q) + e)] != c * K + KC * ch * is + 8 * q + e)
+              fail("split piece " + std::to_string(q) + " of column " + std::to_string(c) + " reads a wrong element");
+        for (int jc = 0; jc < ch; ++jc)
+          for (int kb = 0; kb < 4; ++kb)
+            for (int t = 0; t < 4; ++t)
+              for (int e = 0; e < 8; ++e)
+                if (stage[static_cast<size_t>(stream_x_at(c, ch, KC * jc + 32 * kb + 8 * t) + e)] !=
+                    c * K + KC * (ch * is + jc) + 32 * kb + 8 * t + e)
+                  fail("compute chunk " + std::to_string(jc) + " block " + std::to_string(kb) + " t " + std::to_string(t) +
+                       " of column " + std::to_string(c) + " reads a wrong element");
+        // Sx: the split writes piece q's k-block (q >> 2) at stream_sx_at(c, ch, q >> 2); compute
+        // reads k-block kb of chunk jc at stream_sx_at(c, ch, 4 jc + kb): the same k-block index.
+        for (int jc = 0; jc < ch; ++jc)
+          for (int kb = 0; kb < 4; ++kb) {
+            const int q = 16 * jc + 4 * kb;  // the first piece of that k-block
+            if (stream_sx_at(c, ch, q >> 2) != stream_sx_at(c, ch, 4 * jc + kb) || stream_sx_at(c, ch, 4 * jc + kb) < 4 * ch * c ||
+                stream_sx_at(c, ch, 4 * jc + kb) >= 4 * ch * (c + 1))
+              fail("Sx of chunk " + std::to_string(jc) + " block " + std::to_string(kb) + " of column " + std::to_string(c));
+          }
+      }
+    }
+  }
+  return bad;
+}
+
 }  // namespace
 
 bool mma_matvec_supported(DType t) {
@@ -1149,6 +1806,11 @@ bool mma_matvec_fits(const TensorView& W) {
 void set_mma_config(const MmaConfig& c) {
   if (c.slices < 0 || c.slices > 3) throw std::invalid_argument("set_mma_config: slices must be 0, 1, 2 or 3");
   if (c.wide_nt != 4 && c.wide_nt != 8) throw std::invalid_argument("set_mma_config: wide_nt must be 4 or 8");
+  if (c.stream != 0 && c.stream != 1 && c.stream != 2 && c.stream != 4 && c.stream != 8)
+    throw std::invalid_argument("set_mma_config: stream must be 0, 1, 2, 4 or 8");
+  if (c.stream_blocks < 0 || c.stream_blocks > 3) throw std::invalid_argument("set_mma_config: stream_blocks must be 0..3");
+  if (c.stream_cols != 0 && c.stream_cols != 1 && c.stream_cols != 2 && c.stream_cols != 4 && c.stream_cols != 8)
+    throw std::invalid_argument("set_mma_config: stream_cols must be 0, 1, 2, 4 or 8");
   (void)config_now();  // the environment is read first, so it never overrides an explicit setting
   std::lock_guard<std::mutex> lock(g_config_mu);
   g_config = c;
@@ -1194,7 +1856,6 @@ void mma_matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, flo
 void mma_matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                         const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
                         int64_t ldy, Stream stream, int max_cols, float* scratch, size_t scratch_bytes) {
-  (void)max_cols;
   check_fits(W, "mma_matvec_grouped");
   check_x(X, ldx, "mma_matvec_grouped");
   if (max_parts < 0 || max_parts > 65535) throw std::invalid_argument("mma_matvec_grouped: max_parts must be 0..65535");
@@ -1204,10 +1865,10 @@ void mma_matvec_grouped(const TensorView& W, const ExpertPart* parts, const int3
   mma_prepare();
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   switch (W.type) {
-    case DType::Q8_0: grouped_typed<DType::Q8_0>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, scratch, scratch_bytes); break;
-    case DType::Q4_K: grouped_typed<DType::Q4_K>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, scratch, scratch_bytes); break;
-    case DType::F16: grouped_typed<DType::F16>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, scratch, scratch_bytes); break;
-    case DType::BF16: grouped_typed<DType::BF16>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, scratch, scratch_bytes); break;
+    case DType::Q8_0: grouped_typed<DType::Q8_0>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, max_cols, scratch, scratch_bytes); break;
+    case DType::Q4_K: grouped_typed<DType::Q4_K>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, max_cols, scratch, scratch_bytes); break;
+    case DType::F16: grouped_typed<DType::F16>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, max_cols, scratch, scratch_bytes); break;
+    case DType::BF16: grouped_typed<DType::BF16>(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, max_cols, scratch, scratch_bytes); break;
     default: break;
   }
 }
@@ -1215,12 +1876,22 @@ void mma_matvec_grouped(const TensorView& W, const ExpertPart* parts, const int3
 namespace testing {
 int mma_decode_selftest(uint64_t seed, std::string* first) {
   return selftest_type<DType::Q8_0>(seed, first) + selftest_type<DType::Q4_K>(seed, first) +
-         selftest_type<DType::F16>(seed, first) + selftest_type<DType::BF16>(seed, first);
+         selftest_type<DType::F16>(seed, first) + selftest_type<DType::BF16>(seed, first) +
+         stream_selftest_type<DType::Q8_0>(seed, first) + stream_selftest_type<DType::Q4_K>(seed, first) +
+         stream_selftest_type<DType::F16>(seed, first) + stream_selftest_type<DType::BF16>(seed, first) +
+         stream_x_selftest(first);
 }
 
 int mma_fold_cluster_limit() {
   mma_prepare();
   return g_dev.max_cluster;
+}
+
+std::string mma_last_launch() {
+  std::lock_guard<std::mutex> lock(g_last_mu);
+  if (g_last_shape.ch == 0) return "phase-1 stages";
+  return "ch " + std::to_string(g_last_shape.ch) + " x " + std::to_string(g_last_shape.nst) + " stages, " +
+         std::to_string(g_last_shape.nx) + " cols, " + std::to_string(g_last_shape.nst * g_last_shape.bytes / 1024) + " KB";
 }
 
 int mma_layout_probe(std::string* first) {
@@ -1274,6 +1945,7 @@ namespace testing {
 int mma_decode_selftest(uint64_t, std::string*) { unsupported("mma_decode_selftest"); }
 int mma_layout_probe(std::string*) { unsupported("mma_layout_probe"); }
 int mma_fold_cluster_limit() { return 1; }
+std::string mma_last_launch() { return "unsupported"; }
 }  // namespace testing
 
 #endif

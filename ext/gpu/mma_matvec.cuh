@@ -98,11 +98,28 @@ int mma_kslices(const TensorView& W);
 //           order either way. Where clusters are unavailable the fold kernel runs regardless.
 //           Off by default: on the H200 the cluster kernels ran slower than kernel + fold launch
 //           (flash-l4 C=1 decode 468.7 against 495.7 tok/s; MMA.md "Phase 3: measured").
+//   stream: the weight stages of calls of at most 8 columns (dense) and of the grouped form
+//           (MMA.md "Phase 5: streaming"): 0 phase 1's stages (128 k of each of 64 rows: 144 /
+//           80 / 256 bytes a row a stage); 1 auto: stages of ch = 2, 4 or 8 chunks of 128 k (one
+//           contiguous copy of 272 .. 1088 bytes a row), activations staged for the call's columns
+//           only, the ring sized to the shared memory of stream_blocks blocks an SM, ch and the ring
+//           picked for the most weight bytes in flight (phase 1's stages where those keep more);
+//           2, 4, 8: at most that ch (the largest that fits), whatever phase 1 would keep
+//   stream_blocks: blocks an SM the streaming ring's shared memory is sized for (1..3; 0 auto: 3;
+//           the kernel's registers, <= 168, allow 3)
+//   stream_cols: the grouped form's activation columns a streaming stage holds (1, 2, 4, 8; 0 auto:
+//           max_cols); a part of more pairs runs in pieces of that many (its rows streamed once a
+//           piece), so fewer leaves room for more weight stages where most parts are small
+//   Env: DS4_GPU_MMA_STREAM=0|1|2|4|8, DS4_GPU_MMA_STREAM_BLOCKS=0..3, DS4_GPU_MMA_STREAM_COLS=0|1|2|4|8.
+//   Same bits under every value.
 struct MmaConfig {
   int slices = 0;
   bool wide = true;
   int wide_nt = 4;
   bool fold_inline = false;
+  int stream = 1;
+  int stream_blocks = 0;
+  int stream_cols = 0;
 };
 void set_mma_config(const MmaConfig& c);
 MmaConfig mma_config();
@@ -126,8 +143,10 @@ size_t mma_grouped_scratch_bytes(const TensorView& W, int max_parts);
 // The grouped product of matvec_grouped (ds4_gpu.h), same parameters and meaning: over a 3-D stack
 // W [K, rows, n_expert], for each pair p of the parts, Y[p * ldy + r] = W[expert(p)][r] .
 // X[x_row[p] * ldx] (x_row null: row p). Each part is one n-tile (parts of more than 8 pairs run in
-// pieces); max_cols is accepted for the same call shape and unused. Every pair's output is
-// bit-identical to mma_matvec of its expert on its column alone. scratch as for mma_matvec.
+// pieces); max_cols (the most pairs a part holds, as for matvec_grouped) sizes the streaming
+// kernel's activation stage (MmaConfig::stream): a part with more pairs runs in pieces of that many,
+// so a wrong bound costs time, never a bit. Every pair's output is bit-identical to mma_matvec of
+// its expert on its column alone. scratch as for mma_matvec.
 void mma_matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                         const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
                         int64_t ldy, Stream stream, int max_cols = 8, float* scratch = nullptr,
@@ -152,6 +171,9 @@ int mma_layout_probe(std::string* first);
 // The largest thread-block cluster the inline fold (MmaConfig::fold_inline) launches on this device
 // (after mma_prepare): 1 means no clusters, so every sliced call takes the fold kernel.
 int mma_fold_cluster_limit();
+// The weight stages the last mma_matvec / mma_matvec_grouped call of this process launched: "phase-1
+// stages", or the streaming shape ("ch 2 x 3 stages, 1 cols, 57 KB"; MmaConfig::stream).
+std::string mma_last_launch();
 }  // namespace testing
 
 }  // namespace ds4::gpu

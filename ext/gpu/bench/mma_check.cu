@@ -17,22 +17,25 @@
 //                16/64/128), ncols in {1,2,3,5,8,9,16,17,64,256}, under every launch configuration
 //                (auto, slices folded in the block, one or two slices a block, each with the partials
 //                added inline by the tile's cluster and by the fold kernel, wide passes of 64, narrow
-//                passes only, no scratch): every column bit-identical to the 1-column run of that
-//                column under phase 2's launch shape (fold kernel), also with the columns permuted;
-//                the padding of Y untouched
+//                passes only, no scratch; phase 5's weight stages: phase 1's, forced ch 2/4/8 at 1-3
+//                blocks an SM, 1/2/4 staged columns): every column bit-identical to the 1-column run
+//                of that column under phase 2's launch shape (phase 1's stages, fold kernel), also
+//                with the columns permuted; the padding of Y untouched
 //   grouped      random routings (1, 4, 8, 64 lanes x 6 routes over 16 experts, parts of <= 8 and
 //                <= 3), each configuration: every pair bit-identical to mma_matvec of its expert on
-//                its column alone (fold kernel); x_row null too
+//                its column alone (fold kernel); x_row null too; max_cols 1 (parts in pieces)
 //   determinism  the same call twice, bit-identical
 //   accuracy     against float64 dot products of the CPU dequantizer's weights (ext/cpu/quant.cpp):
 //                |y - ref| <= 1e-5 * sum_k |w_k x_k| (+1e-30) per output; the worst ratio printed,
 //                the old matvec's beside it
 // Bench (d): the flash-l4 Q8_0 shapes at 1, 2, 4, 8, 16 and 256 columns and the grouped Q4_K
-// experts (256 experts, 1/4/8/256 lanes x 6 routes), the old matvec / matvec_grouped beside
+// experts (256 experts, 1/4/8/64/256/512 lanes x 6 routes), the old matvec / matvec_grouped beside
 // mma_matvec / mma_matvec_grouped (default: partials added inline) and, where a call splits K over
 // blocks, mma with the fold kernel (phase 2's shape): median of 20 replays of a CUDA graph (after warm-up), weights
 // rotated over >= 512 MB of copies so they come from HBM. One JSON line per measurement to
-// OUT/mma_bench.jsonl, a summary to stdout.
+// OUT/mma_bench.jsonl, a summary to stdout. Phase 5: at <= 8 columns and for every grouped call, the
+// default (auto weight stages) beside each streaming variant and phase 1's stages (the old shape),
+// with the stage shape each launched ("weight stages" table at the end).
 #include <algorithm>
 #include <chrono>
 #include <cinttypes>
@@ -177,19 +180,30 @@ struct Config {
 };
 // kConfigs[0] is the default; kReference the launch shape of phase 2 (slices on separate blocks
 // added by the fold kernel), the reference every configuration is compared with bit for bit.
+// Fields: slices, wide, wide_nt, fold_inline, stream, stream_blocks, stream_cols (mma_matvec.cuh).
 const Config kConfigs[] = {
-    {"auto", {0, true, 4, true}, true},
-    {"fold-launch", {0, true, 4, false}, true},
-    {"slices-in-block", {1, true, 4, true}, true},
-    {"slice-per-block", {2, true, 4, true}, true},
-    {"slice-per-block fold-launch", {2, true, 4, false}, true},
-    {"two-slices-per-block", {3, true, 4, true}, true},
-    {"two-slices-per-block fold-launch", {3, true, 4, false}, true},
-    {"wide-nt8", {0, true, 8, true}, true},
-    {"narrow-only", {0, false, 4, true}, true},
-    {"no-scratch", {0, true, 4, true}, false},
+    {"auto", {0, true, 4, true, 1, 0, 0}, true},
+    {"fold-launch", {0, true, 4, false, 1, 0, 0}, true},
+    {"slices-in-block", {1, true, 4, true, 1, 0, 0}, true},
+    {"slice-per-block", {2, true, 4, true, 1, 0, 0}, true},
+    {"slice-per-block fold-launch", {2, true, 4, false, 1, 0, 0}, true},
+    {"two-slices-per-block", {3, true, 4, true, 1, 0, 0}, true},
+    {"two-slices-per-block fold-launch", {3, true, 4, false, 1, 0, 0}, true},
+    {"wide-nt8", {0, true, 8, true, 1, 0, 0}, true},
+    {"narrow-only", {0, false, 4, true, 1, 0, 0}, true},
+    {"no-scratch", {0, true, 4, true, 1, 0, 0}, false},
+    // Phase 5's weight stages, forced (auto takes phase 1's where it keeps more bytes in flight).
+    {"phase-1 stages", {0, true, 4, true, 0, 0, 0}, true},
+    {"stream ch2", {0, true, 4, false, 2, 3, 0}, true},
+    {"stream ch4 2 blocks", {0, true, 4, false, 4, 2, 0}, true},
+    {"stream ch8 1 block", {0, true, 4, false, 8, 1, 0}, true},
+    {"stream ch4 inline fold", {0, true, 4, true, 4, 3, 0}, true},
+    {"stream ch4 slice-per-block 1 col", {2, true, 4, false, 4, 3, 1}, true},
+    {"stream ch2 slices-in-block 2 cols", {1, true, 4, false, 2, 2, 2}, true},
+    {"stream ch4 no-scratch 4 cols", {0, true, 4, false, 4, 2, 4}, false},
 };
-const g::MmaConfig kReference{0, true, 4, false};
+// Phase 2's launch shape: phase 1's stages, K-slices added by the fold kernel.
+const g::MmaConfig kReference{0, true, 4, false, 0, 0, 0};
 
 // First element where got differs from want (bitwise) among n columns of rows (stride ldy);
 // also the padding rows..ldy must still hold the sentinel. Returns false and prints on a mismatch.
@@ -412,6 +426,21 @@ void check_grouped(DType t, Shape sh, int n_expert, const std::vector<int>& lane
         ++runs;
         if (!compare_columns(what, got, single, col_of, rows, ldy)) ++bad;
       }
+      // max_cols 1 under the streaming stages: every part of more than one pair runs in pieces of one.
+      {
+        g::MmaConfig c1 = kConfigs[0].cfg;
+        c1.stream = 2;
+        g::set_mma_config(c1);
+        yd.fill_sentinel();
+        g::mma_matvec_grouped(W, parts.as<g::ExpertPart>(), nparts.as<int32_t>(), n_pairs, sorted.as<int32_t>(), xr.as<int32_t>(),
+                              xd.as<float>(), ldx, yd.as<float>(), ldy, nullptr, 1, scratch.as<float>(), scratch.bytes);
+        const std::vector<float> got = download<float>(yd, static_cast<size_t>(n_pairs) * ldy);
+        char what[260];
+        std::snprintf(what, sizeof(what), "grouped %s [stream ch2, max_cols 1: %s] %d lanes, parts<=%d", tag,
+                      g::testing::mma_last_launch().c_str(), lanes, max_part);
+        ++runs;
+        if (!compare_columns(what, got, single, col_of, rows, ldy)) ++bad;
+      }
       // x_row null: X holds one row per pair.
       {
         g::set_mma_config(kConfigs[0].cfg);
@@ -541,6 +570,58 @@ void emit(const Row& r) {
   }
 }
 
+// Phase 5: the weight-stage variants timed beside the default at <= 8 columns (dense) and for the
+// grouped form: MmaConfig's stream / stream_blocks / stream_cols (the same bits under each; the
+// exactness checks compare them). "phase-1" is the old shape.
+struct StreamVariant {
+  const char* name;
+  int stream, blocks, cols;
+};
+const StreamVariant kStreamVariants[] = {
+    {"phase-1", 0, 0, 0}, {"ch2", 2, 3, 0},      {"ch4", 4, 3, 0},      {"ch2/2blk", 2, 2, 0},
+    {"ch4/2blk", 4, 2, 0}, {"ch8/1blk", 8, 1, 0}, {"ch2/4cols", 2, 3, 4}, {"ch4/2cols", 4, 3, 2},
+};
+std::vector<std::string> g_stream_summary;
+
+// Times op under each variant (grouped: the *cols ones too; dense: they change nothing) after the
+// default's run, whose shape `auto_shape` names; a JSON line each, one summary line.
+void time_stream_variants(const std::string& bench, const std::string& name, int64_t K, int64_t rows, int ncols, double bytes,
+                          double flops, double s_auto, const std::string& auto_shape,
+                          const std::function<void(cudaStream_t, int)>& op) {
+  const g::MmaConfig keep = g::mma_config();
+  char line[2048];
+  int n = std::snprintf(line, sizeof(line), "  %-8s %-30s %s %4d  auto %8.1f us (%s)", bench.c_str(), name.c_str(),
+                        bench == "grouped" ? "lanes" : "cols ", ncols, s_auto * 1e6, auto_shape.c_str());
+  double best = s_auto;
+  std::string best_name = "auto";
+  for (const StreamVariant& v : kStreamVariants) {
+    if (bench != "grouped" && v.cols != 0) continue;
+    g::MmaConfig c = keep;
+    c.stream = v.stream;
+    c.stream_blocks = v.blocks;
+    c.stream_cols = v.cols;
+    g::set_mma_config(c);
+    const double sv = time_op(op);
+    const std::string shape = g::testing::mma_last_launch();
+    const Row r{bench, name, std::string("mma-stream-") + v.name, K, rows, ncols, sv * 1e6, bytes / sv / 1e9, flops / sv / 1e12, 0.0};
+    emit(r);
+    if (g_json != nullptr) {
+      std::fprintf(g_json, "{\"bench\":\"stream-shape\",\"shape\":\"%s\",\"ncols\":%d,\"variant\":\"%s\",\"stages\":\"%s\"}\n",
+                   name.c_str(), ncols, v.name, shape.c_str());
+    }
+    if (n > 0 && n < static_cast<int>(sizeof(line)))
+      n += std::snprintf(line + n, sizeof(line) - n, "  %s %.1f", v.name, sv * 1e6);
+    if (sv < best) {
+      best = sv;
+      best_name = std::string(v.name) + " (" + shape + ")";
+    }
+  }
+  g::set_mma_config(keep);
+  std::printf("%s\n", line);
+  g_stream_summary.push_back(std::string(line) + "\n      fastest: " + best_name);
+  std::fflush(stdout);
+}
+
 // Largest |new - old| over the outputs, relative to the largest |old| of the output's column: a
 // sanity check of the bench runs themselves (the exactness checks above are the real ones).
 double rel_diff(const std::vector<float>& a, const std::vector<float>& b, int ncols, int64_t rows) {
@@ -579,6 +660,11 @@ void bench_dense(const std::string& name, int64_t K, int64_t rows, std::vector<R
     const double s_new = time_op([&](cudaStream_t st, int i) {
       g::mma_matvec(ws.at(i), x.as<float>(), nc, K, y2.as<float>(), rows, st, scratch.as<float>(), sb);
     });
+    if (nc <= 8)
+      time_stream_variants("dense", name, K, rows, nc, wbytes, flops, s_new, g::testing::mma_last_launch(),
+                           [&](cudaStream_t st, int i) {
+                             g::mma_matvec(ws.at(i), x.as<float>(), nc, K, y2.as<float>(), rows, st, scratch.as<float>(), sb);
+                           });
     // The fold kernel instead (phase 2's launch shape) where the call splits K over blocks.
     double s_launch = 0.0;
     if (nc <= 16 && g::mma_kslices(ws.base) > 1) {
@@ -690,6 +776,7 @@ void bench_grouped(const std::string& name, int64_t K, int64_t rows, const std::
                             y2.as<float>(), rows, st, maxc, sb ? scratch.as<float>() : nullptr, sb);
     };
     const double s_new = time_op(run_new);
+    time_stream_variants("grouped", name, K, rows, lanes, bytes, flops, s_new, g::testing::mma_last_launch(), run_new);
     double s_launch = 0.0;  // the fold kernel instead, where the sliced path is taken (scratch given)
     if (sb > 0) {
       const g::MmaConfig keep = g::mma_config();
@@ -750,8 +837,8 @@ int run_bench(const std::string& out_dir, bool quick) {
     if (quick && d.rows > 40000) continue;
     bench_dense(d.name, d.K, d.rows, rows, &sanity_bad);
   }
-  bench_grouped("experts gate Q4_K [4096->2048]", 4096, 2048, quick ? std::vector<int>{1, 8} : std::vector<int>{1, 4, 8, 256},
-                rows, &sanity_bad);
+  bench_grouped("experts gate Q4_K [4096->2048]", 4096, 2048,
+                quick ? std::vector<int>{1, 8} : std::vector<int>{1, 4, 8, 64, 256, 512}, rows, &sanity_bad);
   if (!quick) bench_grouped("experts down Q4_K [2048->4096]", 2048, 4096, {1, 8, 256}, rows, &sanity_bad);
   if (g_json != nullptr) std::fclose(g_json);
   g_json = nullptr;
@@ -769,6 +856,9 @@ int run_bench(const std::string& out_dir, bool quick) {
                 o.shape.c_str(), o.bench == "grouped" ? "lanes" : "cols ", o.ncols, o.us, n.us, o.us / n.us, n.gbs, n.tflops,
                 launch);
   }
+  std::printf("\nweight stages (MMA.md phase 5; us a call: auto = the default, then each variant of\n"
+              "DS4_GPU_MMA_STREAM / _STREAM_BLOCKS / _STREAM_COLS; phase-1 = the old stages):\n");
+  for (const std::string& l : g_stream_summary) std::printf("%s\n", l.c_str());
   std::printf("JSON: %s\n", path.c_str());
   if (sanity_bad) report(false, true, "bench runs: " + std::to_string(sanity_bad) + " mma outputs far from the old kernel's");
   return 0;
