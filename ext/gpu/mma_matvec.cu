@@ -343,19 +343,27 @@ DS4_HD void stream_decode(const uint8_t* row, int j, int r, int t, Row8& v, floa
   }
 }
 // The stage's activations: nx columns (nx <= 8; B columns nx .. 7 are zeros in registers, never
-// read) of the stage's 128 ch k as hi and lo, [column][128 ch + 4] floats each (the raw x is
-// copied into hi's place and split there), and Q4_K's Sx as [column][4 ch] (one per k-block).
+// read) of the stage's 128 ch k, raw as copied, [column][128 ch + 4] floats in each ring slot
+// beside the weights; split once the stage has landed into the one hi and lo buffer (the same
+// layout) and Q4_K's Sx [column][4 ch] (one per k-block), which follow the ring.
 DS4_HD constexpr int stream_xstride(int ch) { return static_cast<int>(kMmaStageK) * ch + 4; }
 // Raw x: vector q (0 .. 32 ch) of column c of stage is comes from element 128 ch is + 4 q of the
-// column and goes to float stream_x_at(c, ch, 4 q) of hi; thread t reads k-block kb of chunk jc of
-// column c at stream_x_at(c, ch, 128 jc + 32 kb + 8 t) (8 floats, in hi and lo alike).
+// column and goes to float stream_x_at(c, ch, 4 q) of the slot's raw x; the split takes piece q
+// (elements 8q .. 8q + 7) from stream_x_at(c, ch, 8 q) and writes hi and lo there; thread t reads
+// k-block kb of chunk jc of column c at stream_x_at(c, ch, 128 jc + 32 kb + 8 t) (8 floats).
 DS4_HD int64_t stream_x_src(int64_t is, int ch, int q) { return static_cast<int64_t>(kMmaStageK) * ch * is + 4 * q; }
 DS4_HD constexpr int stream_x_at(int c, int ch, int e) { return c * stream_xstride(ch) + e; }
 // Sx of column c, k-block b (0 .. 4 ch) of the stage.
 DS4_HD constexpr int stream_sx_at(int c, int ch, int b) { return c * 4 * ch + b; }
+// Bytes of a ring slot (64 weight rows and the raw x) and of the split buffers after the ring
+// (hi, lo, Q4_K's Sx); all multiples of 16.
 template <DType T>
-DS4_HD constexpr int stream_stage_bytes(int ch, int nx) {
-  return 64 * 16 * stream_nvec<T>(ch) + 2 * nx * stream_xstride(ch) * 4 + (T == DType::Q4_K ? nx * 4 * ch * 4 : 0);
+DS4_HD constexpr int stream_slot_bytes(int ch, int nx) {
+  return 64 * 16 * stream_nvec<T>(ch) + nx * stream_xstride(ch) * 4;
+}
+template <DType T>
+DS4_HD constexpr int stream_split_bytes(int ch, int nx) {
+  return 2 * nx * stream_xstride(ch) * 4 + (T == DType::Q4_K ? nx * 4 * ch * 4 : 0);
 }
 constexpr int kStreamMaxStages = 8;  // cp_async_wait_dyn's range
 
@@ -769,7 +777,7 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 __device__ __forceinline__ int ilog2(int v) { return 31 - __clz(v); }
 
 // mma_body's work (MT 1, NT 1: 64 rows, one n-tile) over streaming stages of a.ch chunks (a.nst of
-// them in the ring, a.stage_bytes each, a.nx activation columns). Per (row, column) the same
+// them in the ring, a.stage_bytes a slot, then the split buffers; a.nx activation columns). Per (row, column) the same
 // values in the same order as mma_body: for each chunk i in [i0, i1), k-blocks in pairs, each block's
 // P an 8-MMA chain (hi k-steps 0..3, lo 0..3) from +0, then acc = fmaf(P, mul, acc) (Q4_K: and
 // fmaf(-ml, Sx, acc); F16/BF16 acc + P), the slice ends at the same chunks with the same stores or
@@ -790,9 +798,10 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
   const int lgp = ilog2(16 * ch);             // 8-element pieces a column (16 ch), log2
 
   auto w_stage = [&](int st) { return smem + st * SB; };
-  auto hi_stage = [&](int st) { return reinterpret_cast<float*>(smem + st * SB + wbytes); };
-  auto lo_stage = [&](int st) { return hi_stage(st) + nx * xs; };
-  auto sx_stage = [&](int st) { return hi_stage(st) + 2 * nx * xs; };
+  auto x_stage = [&](int st) { return reinterpret_cast<float*>(smem + st * SB + wbytes); };
+  float* const hs = reinterpret_cast<float*>(smem + S * SB);  // the split buffers after the ring
+  float* const ls = hs + nx * xs;
+  float* const ss = hs + 2 * nx * xs;
 
   // Stage is into ring slot st: 8 threads a row (their 16-byte copies of one instruction are 128
   // contiguous bytes of the row), 16 rows at a time; the row pointer once a row. Rows past the
@@ -806,20 +815,18 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
       uint8_t* dst = ws + r * wstride;
       for (int v = l8; v < nvec; v += 8) ds4_cp_async16(dst + 16 * stream_dst<T>(v, r), src + stream_src<T>(is, ch, v));
     }
-    float* hs = hi_stage(st);
+    float* xr = x_stage(st);
     for (int v = tid; v < (ncol << lgx); v += kThreads) {
       const int j = v >> lgx, q = v & ((1 << lgx) - 1);
-      ds4_cp_async16(hs + stream_x_at(j, ch, 4 * q), a.X + cols.x[j] + stream_x_src(is, ch, q));
+      ds4_cp_async16(xr + stream_x_at(j, ch, 4 * q), a.X + cols.x[j] + stream_x_src(is, ch, q));
     }
   };
 
-  // The landed raw x of slot st split in place (hi over x), lo beside it, Q4_K's Sx: mma_body's
-  // store_b per 8-element piece (the same mma_split, piece_sum and two shuffles). Pieces of a
-  // k-block sit on 4 consecutive lanes; the loop is warp-uniform (nx * 16 ch is a multiple of 32).
+  // The landed raw x of slot st split into hi, lo and Q4_K's Sx: mma_body's store_b per 8-element
+  // piece (the same mma_split, piece_sum and two shuffles). Pieces of a k-block sit on 4
+  // consecutive lanes; the loop is warp-uniform (nx * 16 ch is a multiple of 32).
   auto split = [&](int st) {
-    float* hs = hi_stage(st);
-    float* ls = lo_stage(st);
-    float* ss = sx_stage(st);
+    const float* xr = x_stage(st);
     const int np = nx << lgp;
     for (int base = warp * DS4_WARP; base < np; base += kThreads) {
       const int idx = base + lane, j = idx >> lgp, q = idx & ((1 << lgp) - 1);
@@ -827,7 +834,8 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
       float4* hp = reinterpret_cast<float4*>(hs + stream_x_at(j, ch, 8 * q));
       float4* lp = reinterpret_cast<float4*>(ls + stream_x_at(j, ch, 8 * q));
       if (j < ncol) {
-        const float4 x0 = hp[0], x1 = hp[1];
+        const float4* xp = reinterpret_cast<const float4*>(xr + stream_x_at(j, ch, 8 * q));
+        const float4 x0 = xp[0], x1 = xp[1];
         v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
       } else {
 #pragma unroll
@@ -851,12 +859,9 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
 
   float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, run[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 
-  // Chunk jc of slot st: mma_body's compute for MT = NT = 1.
+  // Chunk jc of slot st (its activations in the split buffers): mma_body's compute for MT = NT = 1.
   auto compute = [&](int st, int jc) {
     const uint8_t* ws = w_stage(st);
-    const float* hs = hi_stage(st);
-    const float* ls = lo_stage(st);
-    const float* ss = sx_stage(st);
 #pragma unroll
     for (int bp = 0; bp < KB / 2; ++bp) {
       Row8 va[2][2];  // [block of the pair][row g, row g + 8]
@@ -952,7 +957,7 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
 #pragma unroll 1
   for (int is = s0; is < s1; ++is) {
     cp_async_wait_dyn(S - 2);
-    __syncthreads();  // stage is is in; slot (st - 1) mod S (stage is - 1) is no longer read
+    __syncthreads();  // stage is is in; slot (st - 1) mod S and the split buffers (stage is - 1) are free
     const int nxt = is + S - 1;
     if (nxt < s1) issue(nxt, st == 0 ? S - 1 : st - 1);
     ds4_cp_async_commit();
@@ -1368,7 +1373,7 @@ void launch_fold(dim3 grid, const MmaArgs& a, cudaStream_t s) {
 
 struct StreamShape {
   int ch = 0;  // 0: phase 1's kernel
-  int nst = 0, nx = 0, bytes = 0;
+  int nst = 0, nx = 0, bytes = 0, split = 0;  // ring slots, staged columns, bytes a slot, split buffers
 };
 
 int pow2_at_least(int v) {
@@ -1378,34 +1383,62 @@ int pow2_at_least(int v) {
 }
 
 // The streaming stages of a call whose blocks each compute block_chunks chunks with nx staged
-// columns (cfg.stream: MmaConfig). The ring: as many stages of ch chunks as fit the budget of
-// cfg.stream_blocks blocks an SM, at most kStreamMaxStages and at most one more than the block has
-// (then the prologue issues all of them). Auto: the ch with the most weight bytes in flight at the
-// first wait ((stages - 1) x a stage's rows, at most the block's), ties to the longer copy; phase
-// 1's kernel where its ring keeps more in flight. A forced ch: the largest one <= it that fits.
+// columns (cfg.stream: MmaConfig). For a ch dividing block_chunks and a number of blocks an SM
+// (cfg.stream_blocks, else 3 and 2), the ring takes as many slots as fit that many blocks' shared
+// memory, at most kStreamMaxStages and at most one more than the block has stages (then the
+// prologue issues all of them). In flight at a stage's wait: blocks x (slots - 1, at most the
+// block's stages) x 64 rows x ch chunks of weights. Auto: first a block of at least 2 stages (its
+// copies overlap its compute), then >= 64 KB in flight an SM (twice the ~32 KB that 4.2 TB/s needs
+// at ~1 us of latency), then the longest copy (largest ch), then more blocks (warps) an SM, then
+// more in flight; below 64 KB, the most in flight. Phase 1's kernel instead where the best of these
+// keeps less than half of its bytes in flight. Forced (cfg.stream 2/4/8): the largest ch <= it,
+// and the first block count, that fit.
 template <DType T>
 StreamShape stream_shape(const MmaConfig& cfg, int nx, int block_chunks, bool fold) {
+  if (cfg.stream == 0) return StreamShape{};
+  const int blocks_auto[2] = {3, 2};
+  const int n_blocks = cfg.stream_blocks > 0 ? 1 : 2;
+  constexpr int64_t kEnough = 64 * 1024;
   StreamShape best;
-  if (cfg.stream == 0) return best;
-  int budget = stream_budget(cfg.stream_blocks > 0 ? cfg.stream_blocks : kStreamBlocksAuto);
-  if (fold) budget = std::min(budget, g_dev.stream_fold_smem);
-  int64_t best_score = -1;
+  int64_t best_inflight = -1;
+  bool best_multi = false;
+  int best_blocks = 0;
   for (int ch = cfg.stream == 1 ? 8 : cfg.stream; ch >= 2; ch /= 2) {
     if (block_chunks % ch != 0) continue;
-    const int sb = stream_stage_bytes<T>(ch, nx), nst_block = block_chunks / ch;
-    const int nst = std::min({budget / sb, kStreamMaxStages, nst_block + 1});
-    if (nst < 2) continue;
-    const StreamShape sh{ch, nst, nx, sb};
-    if (cfg.stream != 1) return sh;
-    const int64_t score = static_cast<int64_t>(std::min(nst - 1, nst_block)) * 64 * 16 * stream_nvec<T>(ch);
-    if (score > best_score) {
-      best_score = score;
-      best = sh;
+    const int nst_block = block_chunks / ch;
+    const int64_t wstage = int64_t{64} * 16 * stream_nvec<T>(ch);
+    for (int b = 0; b < n_blocks; ++b) {
+      const int blocks = cfg.stream_blocks > 0 ? cfg.stream_blocks : blocks_auto[b];
+      int budget = stream_budget(blocks);
+      if (fold) budget = std::min(budget, g_dev.stream_fold_smem);
+      const int sb = stream_slot_bytes<T>(ch, nx), sp = stream_split_bytes<T>(ch, nx);
+      const int nst = std::min({(budget - sp) / sb, kStreamMaxStages, nst_block + 1});
+      if (nst < 2) continue;
+      const StreamShape sh{ch, nst, nx, sb, sp};
+      if (cfg.stream != 1) return sh;
+      const int64_t inflight = blocks * static_cast<int64_t>(std::min(nst - 1, nst_block)) * wstage;
+      const bool multi = nst_block >= 2;
+      bool better;
+      if (best.ch == 0 || multi != best_multi) {
+        better = best.ch == 0 || multi;
+      } else if ((inflight >= kEnough) != (best_inflight >= kEnough)) {
+        better = inflight >= kEnough;
+      } else if (inflight >= kEnough) {  // both enough: ch (iterated downwards), blocks, bytes
+        better = ch == best.ch && (blocks > best_blocks || (blocks == best_blocks && inflight > best_inflight));
+      } else {
+        better = inflight > best_inflight;
+      }
+      if (better) {
+        best = sh;
+        best_inflight = inflight;
+        best_multi = multi;
+        best_blocks = blocks;
+      }
     }
   }
-  if (cfg.stream == 1 && best.ch != 0) {
-    const int64_t phase1 = static_cast<int64_t>(narrow_stages<T, 1>() - 1) * 64 * MmaW<T>::kStride;
-    if (best_score < phase1) best = StreamShape{};
+  if (best.ch != 0) {
+    const int64_t phase1 = int64_t{3} * std::min(narrow_stages<T, 1>() - 1, block_chunks) * 64 * MmaW<T>::kStride;
+    if (2 * best_inflight < phase1) best = StreamShape{};
   }
   return best;
 }
@@ -1425,7 +1458,7 @@ void launch_stream(dim3 grid, MmaArgs a, const StreamShape& sh, cudaStream_t s) 
   a.nst = sh.nst;
   a.nx = sh.nx;
   a.stage_bytes = sh.bytes;
-  const size_t smem = static_cast<size_t>(sh.nst) * static_cast<size_t>(sh.bytes);
+  const size_t smem = static_cast<size_t>(sh.nst) * static_cast<size_t>(sh.bytes) + static_cast<size_t>(sh.split);
   if constexpr (!FOLD) {
     mma_stream_kernel<T, PARTIALS, GROUPED, false><<<grid, kThreads, smem, s>>>(a);
     DS4_GPU_CHECK_LAUNCH("mma_stream_kernel");
@@ -1891,7 +1924,7 @@ std::string mma_last_launch() {
   std::lock_guard<std::mutex> lock(g_last_mu);
   if (g_last_shape.ch == 0) return "phase-1 stages";
   return "ch " + std::to_string(g_last_shape.ch) + " x " + std::to_string(g_last_shape.nst) + " stages, " +
-         std::to_string(g_last_shape.nx) + " cols, " + std::to_string(g_last_shape.nst * g_last_shape.bytes / 1024) + " KB";
+         std::to_string(g_last_shape.nx) + " cols, " + std::to_string((g_last_shape.nst * g_last_shape.bytes + g_last_shape.split) / 1024) + " KB";
 }
 
 int mma_layout_probe(std::string* first) {
