@@ -776,26 +776,37 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 
 __device__ __forceinline__ int ilog2(int v) { return 31 - __clz(v); }
 
-// mma_body's work (MT 1, NT 1: 64 rows, one n-tile) over streaming stages of a.ch chunks (a.nst of
-// them in the ring, a.stage_bytes a slot, then the split buffers; a.nx activation columns). Per (row, column) the same
-// values in the same order as mma_body: for each chunk i in [i0, i1), k-blocks in pairs, each block's
-// P an 8-MMA chain (hi k-steps 0..3, lo 0..3) from +0, then acc = fmaf(P, mul, acc) (Q4_K: and
-// fmaf(-ml, Sx, acc); F16/BF16 acc + P), the slice ends at the same chunks with the same stores or
-// register fold, the FOLD tail the same loop. [i0, i1) is whole stages (the launcher picks ch
-// dividing the chunks a block computes).
-template <DType T, bool PARTIALS, bool FOLD>
-__device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __restrict__ Wm, int row0, const Cols<8>& cols,
-                                            int i0, int i1, int spc, uint8_t* smem) {
-  constexpr int NP = 8, BR = 64;
+// The columns of a streaming block: NP = 8 NT slots; bit j of mask says slot j holds a column of
+// the call (its x is staged and split, its outputs stored); the other slots are zero B columns.
+template <int NP>
+struct StreamCols {
+  int64_t x[NP];  // X: element offset of the column
+  int64_t y[NP];  // Y: element offset of the output column
+  int64_t p[NP];  // partial-sum column
+  uint32_t mask;
+};
+
+// mma_body's work (MT 1, NT n-tiles: 64 rows) over streaming stages of a.ch chunks (a.nst of them
+// in the ring, a.stage_bytes a slot, then the split buffers; a.nx <= 8 NT activation slots
+// staged, B columns past them zeros in registers). Per (row, column) the same values in the same
+// order as mma_body: for each chunk i in [i0, i1), k-blocks in pairs (each pair's A decoded once
+// and applied to every n-tile), each block's P an 8-MMA chain (hi k-steps 0..3, lo 0..3) from +0,
+// then acc = fmaf(P, mul, acc) (Q4_K: and fmaf(-ml, Sx, acc); F16/BF16 acc + P), the slice ends
+// at the same chunks with the same stores or register fold, the FOLD tail the same loop. [i0, i1)
+// is whole stages (the launcher picks ch dividing the chunks a block computes).
+template <DType T, int NT, bool PARTIALS, bool FOLD>
+__device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __restrict__ Wm, int row0,
+                                            const StreamCols<8 * NT>& cols, int i0, int i1, int spc, uint8_t* smem) {
+  constexpr int NP = 8 * NT, BR = 64;
   constexpr bool kQ4K = T == DType::Q4_K;
   const int ch = a.ch, S = a.nst, nx = a.nx, SB = a.stage_bytes;
   const int nvec = stream_nvec<T>(ch), wstride = 16 * nvec, xs = stream_xstride(ch);
   const int wbytes = BR * wstride;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / DS4_WARP, lane = tid % DS4_WARP;
   const int g = lane >> 2, t = lane & 3;
-  const int ncol = cols.n < nx ? cols.n : nx;  // columns with data; ncol .. nx - 1 are zeros
-  const int lgx = ilog2(32 * ch);             // raw x vectors a column (32 ch), log2
-  const int lgp = ilog2(16 * ch);             // 8-element pieces a column (16 ch), log2
+  const uint32_t mask = cols.mask;
+  const int lgx = ilog2(32 * ch);  // raw x vectors a column (32 ch), log2
+  const int lgp = ilog2(16 * ch);  // 8-element pieces a column (16 ch), log2
 
   auto w_stage = [&](int st) { return smem + st * SB; };
   auto x_stage = [&](int st) { return reinterpret_cast<float*>(smem + st * SB + wbytes); };
@@ -816,15 +827,16 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
       for (int v = l8; v < nvec; v += 8) ds4_cp_async16(dst + 16 * stream_dst<T>(v, r), src + stream_src<T>(is, ch, v));
     }
     float* xr = x_stage(st);
-    for (int v = tid; v < (ncol << lgx); v += kThreads) {
+    for (int v = tid; v < (nx << lgx); v += kThreads) {
       const int j = v >> lgx, q = v & ((1 << lgx) - 1);
-      ds4_cp_async16(xr + stream_x_at(j, ch, 4 * q), a.X + cols.x[j] + stream_x_src(is, ch, q));
+      if ((mask >> j) & 1u) ds4_cp_async16(xr + stream_x_at(j, ch, 4 * q), a.X + cols.x[j] + stream_x_src(is, ch, q));
     }
   };
 
   // The landed raw x of slot st split into hi, lo and Q4_K's Sx: mma_body's store_b per 8-element
-  // piece (the same mma_split, piece_sum and two shuffles). Pieces of a k-block sit on 4
-  // consecutive lanes; the loop is warp-uniform (nx * 16 ch is a multiple of 32).
+  // piece (the same mma_split, piece_sum and two shuffles; slots without a column give zeros).
+  // Pieces of a k-block sit on 4 consecutive lanes; the loop is warp-uniform (nx * 16 ch is a
+  // multiple of 32).
   auto split = [&](int st) {
     const float* xr = x_stage(st);
     const int np = nx << lgp;
@@ -833,7 +845,7 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
       float v[8];
       float4* hp = reinterpret_cast<float4*>(hs + stream_x_at(j, ch, 8 * q));
       float4* lp = reinterpret_cast<float4*>(ls + stream_x_at(j, ch, 8 * q));
-      if (j < ncol) {
+      if ((mask >> j) & 1u) {
         const float4* xp = reinterpret_cast<const float4*>(xr + stream_x_at(j, ch, 8 * q));
         const float4 x0 = xp[0], x1 = xp[1];
         v[0] = x0.x, v[1] = x0.y, v[2] = x0.z, v[3] = x0.w, v[4] = x1.x, v[5] = x1.y, v[6] = x1.z, v[7] = x1.w;
@@ -857,9 +869,13 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
     }
   };
 
-  float acc[4] = {0.0f, 0.0f, 0.0f, 0.0f}, run[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  float acc[NT][4], run[NT][4];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) acc[nt][r] = run[nt][r] = 0.0f;
 
-  // Chunk jc of slot st (its activations in the split buffers): mma_body's compute for MT = NT = 1.
+  // Chunk jc of slot st (its activations in the split buffers): mma_body's compute for MT = 1.
   auto compute = [&](int st, int jc) {
     const uint8_t* ws = w_stage(st);
 #pragma unroll
@@ -878,70 +894,77 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
           stream_decode<T, 3>(row, jc, r, t, va[1][hr], mul[1][hr], nml[1][hr]);
         }
       }
-      float bh[2][8], bl[2][8], sx[2][2];
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const int kb = 2 * bp + e;
-        if (g < nx) {
-          const float4* hp = reinterpret_cast<const float4*>(hs + stream_x_at(g, ch, KC * jc + 32 * kb + 8 * t));
-          const float4* lp = reinterpret_cast<const float4*>(ls + stream_x_at(g, ch, KC * jc + 32 * kb + 8 * t));
-          const float4 h0 = hp[0], h1 = hp[1], l0 = lp[0], l1 = lp[1];
-          bh[e][0] = h0.x, bh[e][1] = h0.y, bh[e][2] = h0.z, bh[e][3] = h0.w;
-          bh[e][4] = h1.x, bh[e][5] = h1.y, bh[e][6] = h1.z, bh[e][7] = h1.w;
-          bl[e][0] = l0.x, bl[e][1] = l0.y, bl[e][2] = l0.z, bl[e][3] = l0.w;
-          bl[e][4] = l1.x, bl[e][5] = l1.y, bl[e][6] = l1.z, bl[e][7] = l1.w;
-        } else {
-#pragma unroll
-          for (int k = 0; k < 8; ++k) bh[e][k] = bl[e][k] = 0.0f;
-        }
-        if constexpr (kQ4K) {
-          sx[e][0] = 2 * t < nx ? ss[stream_sx_at(2 * t, ch, 4 * jc + kb)] : 0.0f;
-          sx[e][1] = 2 * t + 1 < nx ? ss[stream_sx_at(2 * t + 1, ch, 4 * jc + kb)] : 0.0f;
-        } else {
-          sx[e][0] = sx[e][1] = 0.0f;
-        }
-      }
-      float P[2][4];
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) P[e][r] = 0.0f;
-#pragma unroll
-      for (int step = 0; step < 8; ++step) {
-        const int sk = step & 3;
+      for (int nt = 0; nt < NT; ++nt) {
+        const int bc = 8 * nt + g;  // this thread's B column
+        float bh[2][8], bl[2][8], sx[2][2];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
-          const uint32_t b0 = __float_as_uint(step < 4 ? bh[e][sk] : bl[e][sk]);
-          const uint32_t b1 = __float_as_uint(step < 4 ? bh[e][4 + sk] : bl[e][4 + sk]);
-          mma_tf32(P[e], __float_as_uint(va[e][0].v[sk]), __float_as_uint(va[e][1].v[sk]),
-                   __float_as_uint(va[e][0].v[4 + sk]), __float_as_uint(va[e][1].v[4 + sk]), b0, b1);
-        }
-      }
-#pragma unroll
-      for (int e = 0; e < 2; ++e)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          if constexpr (T == DType::F16 || T == DType::BF16) {
-            acc[r] = acc[r] + P[e][r];
+          const int kb = 2 * bp + e;
+          if (bc < nx) {
+            const float4* hp = reinterpret_cast<const float4*>(hs + stream_x_at(bc, ch, KC * jc + 32 * kb + 8 * t));
+            const float4* lp = reinterpret_cast<const float4*>(ls + stream_x_at(bc, ch, KC * jc + 32 * kb + 8 * t));
+            const float4 h0 = hp[0], h1 = hp[1], l0 = lp[0], l1 = lp[1];
+            bh[e][0] = h0.x, bh[e][1] = h0.y, bh[e][2] = h0.z, bh[e][3] = h0.w;
+            bh[e][4] = h1.x, bh[e][5] = h1.y, bh[e][6] = h1.z, bh[e][7] = h1.w;
+            bl[e][0] = l0.x, bl[e][1] = l0.y, bl[e][2] = l0.z, bl[e][3] = l0.w;
+            bl[e][4] = l1.x, bl[e][5] = l1.y, bl[e][6] = l1.z, bl[e][7] = l1.w;
           } else {
-            acc[r] = fmaf(P[e][r], mul[e][r >> 1], acc[r]);
-            if constexpr (kQ4K) acc[r] = fmaf(nml[e][r >> 1], sx[e][r & 1], acc[r]);
+#pragma unroll
+            for (int k = 0; k < 8; ++k) bh[e][k] = bl[e][k] = 0.0f;
+          }
+          if constexpr (kQ4K) {
+            const int c0 = 8 * nt + 2 * t;
+            sx[e][0] = c0 < nx ? ss[stream_sx_at(c0, ch, 4 * jc + kb)] : 0.0f;
+            sx[e][1] = c0 + 1 < nx ? ss[stream_sx_at(c0 + 1, ch, 4 * jc + kb)] : 0.0f;
+          } else {
+            sx[e][0] = sx[e][1] = 0.0f;
           }
         }
+        float P[2][4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) P[e][r] = 0.0f;
+#pragma unroll
+        for (int step = 0; step < 8; ++step) {
+          const int sk = step & 3;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t b0 = __float_as_uint(step < 4 ? bh[e][sk] : bl[e][sk]);
+            const uint32_t b1 = __float_as_uint(step < 4 ? bh[e][4 + sk] : bl[e][4 + sk]);
+            mma_tf32(P[e], __float_as_uint(va[e][0].v[sk]), __float_as_uint(va[e][1].v[sk]),
+                     __float_as_uint(va[e][0].v[4 + sk]), __float_as_uint(va[e][1].v[4 + sk]), b0, b1);
+          }
+        }
+#pragma unroll
+        for (int e = 0; e < 2; ++e)
+#pragma unroll
+          for (int r = 0; r < 4; ++r) {
+            if constexpr (T == DType::F16 || T == DType::BF16) {
+              acc[nt][r] = acc[nt][r] + P[e][r];
+            } else {
+              acc[nt][r] = fmaf(P[e][r], mul[e][r >> 1], acc[nt][r]);
+              if constexpr (kQ4K) acc[nt][r] = fmaf(nml[e][r >> 1], sx[e][r & 1], acc[nt][r]);
+            }
+          }
+      }
     }
   };
 
-  // mma_body's store for MT = NT = 1.
-  auto store = [&](const float (&v)[4], int slice) {
+  // mma_body's store for MT = 1 (slots without a column are not stored).
+  auto store = [&](const float (&v)[NT][4], int slice) {
     const bool to_part = PARTIALS && a.ks > 1;
 #pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const int row = row0 + warp * 16 + g + 8 * (r >> 1);
-      const int n = 2 * t + (r & 1);
-      if (row >= a.rows || n >= cols.n) continue;
-      if (to_part) a.part[(static_cast<int64_t>(slice) * a.pcols + cols.p[n]) * a.rows + row] = v[r];
-      else a.Y[cols.y[n] + row] = v[r];
-    }
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        const int row = row0 + warp * 16 + g + 8 * (r >> 1);
+        const int n = 8 * nt + 2 * t + (r & 1);
+        if (row >= a.rows || !((mask >> n) & 1u)) continue;
+        if (to_part) a.part[(static_cast<int64_t>(slice) * a.pcols + cols.p[n]) * a.rows + row] = v[nt][r];
+        else a.Y[cols.y[n] + row] = v[nt][r];
+      }
   };
 
   // The pipeline: stage is + S - 1 is copied while stage is is split and computed. One group a
@@ -971,14 +994,18 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
         if constexpr (PARTIALS) {
           store(acc, i / spc);
 #pragma unroll
-          for (int r = 0; r < 4; ++r) acc[r] = 0.0f;
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) acc[nt][r] = 0.0f;
         } else {
           const bool first = i + 1 == spc;
 #pragma unroll
-          for (int r = 0; r < 4; ++r) {
-            run[r] = first ? acc[r] : run[r] + acc[r];
-            acc[r] = 0.0f;
-          }
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              run[nt][r] = first ? acc[nt][r] : run[nt][r] + acc[nt][r];
+              acc[nt][r] = 0.0f;
+            }
         }
       }
     }
@@ -987,13 +1014,13 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
   ds4_cp_async_wait<0>();
   if constexpr (!PARTIALS) store(run, 0);
   if constexpr (PARTIALS && FOLD) {
-    // mma_body's FOLD tail (NP = 8, BR = 64).
+    // mma_body's FOLD tail (BR = 64; slots without a column skipped).
     cluster_barrier();
     const int64_t stride = a.pcols * a.rows;
     const int zc = static_cast<int>(gridDim.z);
     for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
       const int n = o / BR, row = row0 + o % BR;
-      if (n >= cols.n || row >= a.rows) continue;
+      if (!((mask >> n) & 1u) || row >= a.rows) continue;
       const float* q = a.part + cols.p[n] * a.rows + row;
       float v = __ldcg(q);
       for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
@@ -1005,19 +1032,24 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
 // Blocks an SM the streaming kernel's registers must allow.
 constexpr int kStreamMinBlocks = 3;
 
-// mma_kernel's narrow NT 1 / grouped forms over streaming stages. Dense: block (pass x, row block y,
-// slice z), one pass of at most a.nx columns; grouped: block (row block x, part y, slice z), a part's
-// pairs in pieces of a.nx columns (a part of more pairs than a.nx streams its rows once a piece).
-template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+// mma_kernel's narrow NT 1 / grouped forms over streaming stages. Dense (NT 1): block (pass x, row
+// block y, slice z), one pass of at most a.nx columns. Grouped: block (row block x, part y, slice
+// z); NT 1: the part's pairs in pieces of a.nx columns (a part of more pairs streams its rows once a
+// piece); NT 2 (a.nx 16): parts of one expert are consecutive in the part list, and the block of the
+// first, third, ... part of an expert's run takes that part and the next one of the same expert
+// (n-tiles 0 and 1: each A fragment decoded once for both), in pieces of 8 pairs of each; the
+// block of the second, fourth, ... returns at once.
+template <DType T, int NT, bool PARTIALS, bool GROUPED, bool FOLD>
 __global__ void __launch_bounds__(kThreads, kStreamMinBlocks) mma_stream_kernel(MmaArgs a) {
   extern __shared__ __align__(16) uint8_t mma_smem[];
-  constexpr int NP = 8, BR = 64;
-  __shared__ Cols<NP> cols;
+  constexpr int NP = 8 * NT, BR = 64;
+  __shared__ StreamCols<NP> cols;
   const int tid = static_cast<int>(threadIdx.x);
   const int nchunks = a.K / KC, spc = nchunks / a.ks;
   const int i0 = PARTIALS ? static_cast<int>(blockIdx.z) * a.gs * spc : 0;
   const int i1 = PARTIALS ? min(i0 + a.gs * spc, nchunks) : nchunks;
   if constexpr (!GROUPED) {
+    static_assert(GROUPED || NT == 1, "dense streaming blocks take one n-tile");
     const int c0 = static_cast<int>(blockIdx.x) * NP;
     const int row0 = static_cast<int>(blockIdx.y) * BR;
     if (tid < NP) {
@@ -1026,28 +1058,46 @@ __global__ void __launch_bounds__(kThreads, kStreamMinBlocks) mma_stream_kernel(
       cols.y[tid] = static_cast<int64_t>(c) * a.ldy;
       cols.p[tid] = c;
     }
-    if (tid == 0) cols.n = a.ncols - c0 < NP ? a.ncols - c0 : NP;
+    if (tid == 0) {
+      const int n = a.ncols - c0 < NP ? a.ncols - c0 : NP;
+      cols.mask = n >= 32 ? ~0u : (1u << n) - 1u;
+    }
     __syncthreads();
-    stream_body<T, PARTIALS, FOLD>(a, a.W, row0, cols, i0, i1, spc, mma_smem);
+    stream_body<T, NT, PARTIALS, FOLD>(a, a.W, row0, cols, i0, i1, spc, mma_smem);
   } else {
     const int p = static_cast<int>(blockIdx.y);
-    if (p >= *a.n_parts) return;
+    const int np = *a.n_parts;
+    if (p >= np) return;
     const ExpertPart pt = a.parts[p];
+    ExpertPart pt2{};  // NT 2: the next part of the same expert (count 0: none)
+    if constexpr (NT == 2) {
+      int q = p;
+      while (q > 0 && a.parts[q - 1].expert == pt.expert) --q;
+      if ((p - q) & 1) return;  // the block of part p - 1 takes this one
+      if (p + 1 < np && a.parts[p + 1].expert == pt.expert) pt2 = a.parts[p + 1];
+    }
     const int row0 = static_cast<int>(blockIdx.x) * BR;
     const uint8_t* We = a.W + static_cast<int64_t>(pt.expert) * a.expert_bytes;
-    for (int c0 = 0; c0 < pt.count; c0 += a.nx) {
+    const int step = NT == 2 ? 8 : a.nx;  // pairs of each part a piece
+    const int most = pt.count > pt2.count ? pt.count : pt2.count;
+    for (int c0 = 0; c0 < most; c0 += step) {
       __syncthreads();  // the previous piece is done with the column table and the stages
-      if (tid < a.nx) {
-        const int j = c0 + tid < pt.count ? c0 + tid : c0;  // past the piece: any valid pair (never stored)
-        const int32_t pair = a.sorted[pt.first + j];
+      if (tid < NP) {
+        const ExpertPart& pp = NT == 2 && tid >= 8 ? pt2 : pt;
+        const int k = c0 + (NT == 2 ? tid & 7 : tid);  // the pair within its part
+        const bool valid = k < pp.count && (NT == 2 || tid < a.nx);
+        const int j = valid ? k : 0;  // an invalid slot points at pair 0 of part p (never read)
+        const ExpertPart& src = valid ? pp : pt;
+        const int32_t pair = a.sorted[src.first + j];
         const int32_t xr = a.x_row != nullptr ? a.x_row[pair] : pair;
         cols.x[tid] = static_cast<int64_t>(xr) * a.ldx;
         cols.y[tid] = static_cast<int64_t>(pair) * a.ldy;
-        cols.p[tid] = pt.first + j;
+        cols.p[tid] = src.first + j;
+        const unsigned bits = __ballot_sync((1u << NP) - 1u, valid);  // tid < NP <= 16: lanes 0 .. NP - 1 of warp 0
+        if (tid == 0) cols.mask = bits;
       }
-      if (tid == 0) cols.n = pt.count - c0 < a.nx ? pt.count - c0 : a.nx;
       __syncthreads();
-      stream_body<T, PARTIALS, FOLD>(a, We, row0, cols, i0, i1, spc, mma_smem);
+      stream_body<T, NT, PARTIALS, FOLD>(a, We, row0, cols, i0, i1, spc, mma_smem);
     }
   }
 }
@@ -1161,6 +1211,7 @@ MmaConfig config_now() {
       g_config.stream = v <= 0 ? 0 : v == 1 ? 1 : v < 4 ? 2 : v < 8 ? 4 : 8;
     }
     if (const char* e = std::getenv("DS4_GPU_MMA_STREAM_BLOCKS")) g_config.stream_blocks = std::clamp(std::atoi(e), 0, 3);
+    if (const char* e = std::getenv("DS4_GPU_MMA_GROUP_TILES")) g_config.group_tiles = std::clamp(std::atoi(e), 0, 2);
     if (const char* e = std::getenv("DS4_GPU_MMA_STREAM_COLS")) {
       const int v = std::atoi(e);
       g_config.stream_cols = v <= 0 ? 0 : v < 2 ? 1 : v < 4 ? 2 : v < 8 ? 4 : 8;
@@ -1212,9 +1263,9 @@ int stream_budget(int blocks) {
 }
 constexpr int kStreamBlocksAuto = 3;
 
-template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+template <DType T, int NT, bool PARTIALS, bool GROUPED, bool FOLD>
 void set_stream_attr() {
-  const void* fn = reinterpret_cast<const void*>(&mma_stream_kernel<T, PARTIALS, GROUPED, FOLD>);
+  const void* fn = reinterpret_cast<const void*>(&mma_stream_kernel<T, NT, PARTIALS, GROUPED, FOLD>);
   DS4_GPU_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, g_dev.optin));
   if constexpr (FOLD) {
     if (g_dev.max_cluster <= 1) return;
@@ -1239,12 +1290,15 @@ void set_stream_attr() {
 // Every instantiation the launchers use, per type.
 template <DType T>
 void set_attrs_type() {
-  set_stream_attr<T, false, false, false>();
-  set_stream_attr<T, true, false, false>();
-  set_stream_attr<T, true, false, true>();
-  set_stream_attr<T, false, true, false>();
-  set_stream_attr<T, true, true, false>();
-  set_stream_attr<T, true, true, true>();
+  set_stream_attr<T, 1, false, false, false>();
+  set_stream_attr<T, 1, true, false, false>();
+  set_stream_attr<T, 1, true, false, true>();
+  set_stream_attr<T, 1, false, true, false>();
+  set_stream_attr<T, 1, true, true, false>();
+  set_stream_attr<T, 1, true, true, true>();
+  set_stream_attr<T, 2, false, true, false>();
+  set_stream_attr<T, 2, true, true, false>();
+  set_stream_attr<T, 2, true, true, true>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), false, false, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false>();
   set_attr<T, 1, 1, narrow_stages<T, 1>(), true, false, false, true>();
@@ -1451,7 +1505,7 @@ void note_launch(const StreamShape& sh) {
   g_last_shape = sh;
 }
 
-template <DType T, bool PARTIALS, bool GROUPED, bool FOLD>
+template <DType T, int NT, bool PARTIALS, bool GROUPED, bool FOLD>
 void launch_stream(dim3 grid, MmaArgs a, const StreamShape& sh, cudaStream_t s) {
   note_launch(sh);
   a.ch = sh.ch;
@@ -1460,7 +1514,7 @@ void launch_stream(dim3 grid, MmaArgs a, const StreamShape& sh, cudaStream_t s) 
   a.stage_bytes = sh.bytes;
   const size_t smem = static_cast<size_t>(sh.nst) * static_cast<size_t>(sh.bytes) + static_cast<size_t>(sh.split);
   if constexpr (!FOLD) {
-    mma_stream_kernel<T, PARTIALS, GROUPED, false><<<grid, kThreads, smem, s>>>(a);
+    mma_stream_kernel<T, NT, PARTIALS, GROUPED, false><<<grid, kThreads, smem, s>>>(a);
     DS4_GPU_CHECK_LAUNCH("mma_stream_kernel");
   } else {
     cudaLaunchConfig_t lc = {};
@@ -1475,7 +1529,7 @@ void launch_stream(dim3 grid, MmaArgs a, const StreamShape& sh, cudaStream_t s) 
     attr[0].val.clusterDim.z = grid.z;
     lc.attrs = attr;
     lc.numAttrs = 1;
-    DS4_GPU_CHECK(cudaLaunchKernelEx(&lc, mma_stream_kernel<T, PARTIALS, GROUPED, true>, a));
+    DS4_GPU_CHECK(cudaLaunchKernelEx(&lc, mma_stream_kernel<T, NT, PARTIALS, GROUPED, true>, a));
     DS4_GPU_CHECK_LAUNCH("mma_stream_kernel (fold inline)");
   }
 }
@@ -1540,9 +1594,9 @@ void dense_typed(const TensorView& W, const float* X, int ncols, int64_t ldx, fl
   const StreamShape sh = nt == 1 ? stream_shape<T>(cfg, pow2_at_least(ncols), par ? a.gs * (nchunks / ks) : nchunks, inl)
                                  : StreamShape{};
   if (sh.ch != 0) {
-    if (inl) launch_stream<T, true, false, true>(grid, a, sh, s);
-    else if (par) launch_stream<T, true, false, false>(grid, a, sh, s);
-    else launch_stream<T, false, false, false>(grid, a, sh, s);
+    if (inl) launch_stream<T, 1, true, false, true>(grid, a, sh, s);
+    else if (par) launch_stream<T, 1, true, false, false>(grid, a, sh, s);
+    else launch_stream<T, 1, false, false, false>(grid, a, sh, s);
   } else if (nt == 1) {
     constexpr int S = narrow_stages<T, 1>();
     if (inl) launch_fold<T, 1, 1, S, false>(grid, a, s);
@@ -1590,12 +1644,22 @@ void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* 
   constexpr int S = narrow_stages<T, 1>();
   const bool inl = par && fold_inline_for(cfg, zc);
   const int nchunks = static_cast<int>(W.ne[0] / KC);
+  const int block_chunks = par ? a.gs * (nchunks / ks) : nchunks;
+  // Two n-tiles a block (two parts of one expert): forced, or auto where the call has room for 8
+  // pairs an expert on average (max_parts pairs over W.ne[2] experts: prefill-sized steps).
+  const int64_t n_expert = std::max<int64_t>(W.ne[2], 1);
+  const bool two = cfg.group_tiles == 2 || (cfg.group_tiles == 0 && max_parts >= 8 * n_expert);
+  const StreamShape sh2 = two ? stream_shape<T>(cfg, 16, block_chunks, inl) : StreamShape{};
   const int nx = cfg.stream_cols > 0 ? cfg.stream_cols : pow2_at_least(std::clamp(max_cols, 1, 8));
-  const StreamShape sh = stream_shape<T>(cfg, nx, par ? a.gs * (nchunks / ks) : nchunks, inl);
-  if (sh.ch != 0) {
-    if (inl) launch_stream<T, true, true, true>(grid, a, sh, s);
-    else if (par) launch_stream<T, true, true, false>(grid, a, sh, s);
-    else launch_stream<T, false, true, false>(grid, a, sh, s);
+  const StreamShape sh = sh2.ch != 0 ? StreamShape{} : stream_shape<T>(cfg, nx, block_chunks, inl);
+  if (sh2.ch != 0) {
+    if (inl) launch_stream<T, 2, true, true, true>(grid, a, sh2, s);
+    else if (par) launch_stream<T, 2, true, true, false>(grid, a, sh2, s);
+    else launch_stream<T, 2, false, true, false>(grid, a, sh2, s);
+  } else if (sh.ch != 0) {
+    if (inl) launch_stream<T, 1, true, true, true>(grid, a, sh, s);
+    else if (par) launch_stream<T, 1, true, true, false>(grid, a, sh, s);
+    else launch_stream<T, 1, false, true, false>(grid, a, sh, s);
   } else if (inl) launch_fold<T, 1, 1, S, true>(grid, a, s);
   else if (par) launch<T, 1, 1, S, true, true, false>(grid, a, s);
   else launch<T, 1, 1, S, false, true, false>(grid, a, s);
@@ -1844,6 +1908,7 @@ void set_mma_config(const MmaConfig& c) {
   if (c.stream_blocks < 0 || c.stream_blocks > 3) throw std::invalid_argument("set_mma_config: stream_blocks must be 0..3");
   if (c.stream_cols != 0 && c.stream_cols != 1 && c.stream_cols != 2 && c.stream_cols != 4 && c.stream_cols != 8)
     throw std::invalid_argument("set_mma_config: stream_cols must be 0, 1, 2, 4 or 8");
+  if (c.group_tiles < 0 || c.group_tiles > 2) throw std::invalid_argument("set_mma_config: group_tiles must be 0, 1 or 2");
   (void)config_now();  // the environment is read first, so it never overrides an explicit setting
   std::lock_guard<std::mutex> lock(g_config_mu);
   g_config = c;
@@ -1924,7 +1989,7 @@ std::string mma_last_launch() {
   std::lock_guard<std::mutex> lock(g_last_mu);
   if (g_last_shape.ch == 0) return "phase-1 stages";
   return "ch " + std::to_string(g_last_shape.ch) + " x " + std::to_string(g_last_shape.nst) + " stages, " +
-         std::to_string(g_last_shape.nx) + " cols, " + std::to_string((g_last_shape.nst * g_last_shape.bytes + g_last_shape.split) / 1024) + " KB";
+         std::to_string(g_last_shape.nx) + (g_last_shape.nx > 8 ? " cols (2 parts a block), " : " cols, ") + std::to_string((g_last_shape.nst * g_last_shape.bytes + g_last_shape.split) / 1024) + " KB";
 }
 
 int mma_layout_probe(std::string* first) {

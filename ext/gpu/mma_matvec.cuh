@@ -110,8 +110,12 @@ int mma_kslices(const TensorView& W);
 //   stream_cols: the grouped form's activation columns a streaming stage holds (1, 2, 4, 8; 0 auto:
 //           max_cols); a part of more pairs runs in pieces of that many (its rows streamed once a
 //           piece), so fewer leaves room for more weight stages where most parts are small
-//   Env: DS4_GPU_MMA_STREAM=0|1|2|4|8, DS4_GPU_MMA_STREAM_BLOCKS=0..3, DS4_GPU_MMA_STREAM_COLS=0|1|2|4|8.
-//   Same bits under every value.
+//   group_tiles: n-tiles a grouped streaming block takes (MMA.md phase 5): 1 one part; 2 two
+//           consecutive parts of the same expert (each A fragment decoded once for both; the block
+//           of the second part returns at once); 0 auto: 2 where max_parts >= 8 x the experts (8
+//           pairs an expert on average), else 1. Needs the streaming stages (stream != 0)
+//   Env: DS4_GPU_MMA_STREAM=0|1|2|4|8, DS4_GPU_MMA_STREAM_BLOCKS=0..3, DS4_GPU_MMA_STREAM_COLS=0|1|2|4|8,
+//   DS4_GPU_MMA_GROUP_TILES=0|1|2. Same bits under every value.
 struct MmaConfig {
   int slices = 0;
   bool wide = true;
@@ -120,6 +124,7 @@ struct MmaConfig {
   int stream = 1;
   int stream_blocks = 0;
   int stream_cols = 0;
+  int group_tiles = 0;
 };
 void set_mma_config(const MmaConfig& c);
 MmaConfig mma_config();

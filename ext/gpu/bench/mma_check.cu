@@ -18,7 +18,8 @@
 //                (auto, slices folded in the block, one or two slices a block, each with the partials
 //                added inline by the tile's cluster and by the fold kernel, wide passes of 64, narrow
 //                passes only, no scratch; phase 5's weight stages: phase 1's, forced ch 2/4/8 at 1-3
-//                blocks an SM, 1/2/4 staged columns): every column bit-identical to the 1-column run
+//                blocks an SM, 1/2/4 staged columns, grouped 1/2 n-tiles a block): every column
+//                bit-identical to the 1-column run
 //                of that column under phase 2's launch shape (phase 1's stages, fold kernel), also
 //                with the columns permuted; the padding of Y untouched
 //   grouped      random routings (1, 4, 8, 64 lanes x 6 routes over 16 experts, parts of <= 8 and
@@ -180,7 +181,8 @@ struct Config {
 };
 // kConfigs[0] is the default; kReference the launch shape of phase 2 (slices on separate blocks
 // added by the fold kernel), the reference every configuration is compared with bit for bit.
-// Fields: slices, wide, wide_nt, fold_inline, stream, stream_blocks, stream_cols (mma_matvec.cuh).
+// Fields: slices, wide, wide_nt, fold_inline, stream, stream_blocks, stream_cols, group_tiles
+// (mma_matvec.cuh).
 const Config kConfigs[] = {
     {"auto", {0, true, 4, true, 1, 0, 0}, true},
     {"fold-launch", {0, true, 4, false, 1, 0, 0}, true},
@@ -201,9 +203,13 @@ const Config kConfigs[] = {
     {"stream ch4 slice-per-block 1 col", {2, true, 4, false, 4, 3, 1}, true},
     {"stream ch2 slices-in-block 2 cols", {1, true, 4, false, 2, 2, 2}, true},
     {"stream ch4 no-scratch 4 cols", {0, true, 4, false, 4, 2, 4}, false},
+    {"stream group 2 tiles", {0, true, 4, true, 1, 0, 0, 2}, true},
+    {"stream group 2 tiles ch2 fold-launch", {0, true, 4, false, 2, 2, 0, 2}, true},
+    {"stream group 2 tiles slices-in-block", {1, true, 4, false, 4, 2, 0, 2}, true},
+    {"stream group 1 tile", {0, true, 4, false, 1, 0, 0, 1}, true},
 };
 // Phase 2's launch shape: phase 1's stages, K-slices added by the fold kernel.
-const g::MmaConfig kReference{0, true, 4, false, 0, 0, 0};
+const g::MmaConfig kReference{0, true, 4, false, 0, 0, 0, 0};
 
 // First element where got differs from want (bitwise) among n columns of rows (stride ldy);
 // also the padding rows..ldy must still hold the sentinel. Returns false and prints on a mismatch.
@@ -430,6 +436,7 @@ void check_grouped(DType t, Shape sh, int n_expert, const std::vector<int>& lane
       {
         g::MmaConfig c1 = kConfigs[0].cfg;
         c1.stream = 2;
+        c1.group_tiles = 1;
         g::set_mma_config(c1);
         yd.fill_sentinel();
         g::mma_matvec_grouped(W, parts.as<g::ExpertPart>(), nparts.as<int32_t>(), n_pairs, sorted.as<int32_t>(), xr.as<int32_t>(),
@@ -575,11 +582,12 @@ void emit(const Row& r) {
 // exactness checks compare them). "phase-1" is the old shape.
 struct StreamVariant {
   const char* name;
-  int stream, blocks, cols;
+  int stream, blocks, cols, tiles;
 };
 const StreamVariant kStreamVariants[] = {
-    {"phase-1", 0, 0, 0}, {"ch2", 2, 3, 0},      {"ch4", 4, 3, 0},      {"ch2/2blk", 2, 2, 0},
-    {"ch4/2blk", 4, 2, 0}, {"ch8/1blk", 8, 1, 0}, {"ch2/4cols", 2, 3, 4}, {"ch4/2cols", 4, 3, 2},
+    {"phase-1", 0, 0, 0, 0},   {"ch2", 2, 3, 0, 0},       {"ch4", 4, 3, 0, 0},       {"ch2/2blk", 2, 2, 0, 0},
+    {"ch4/2blk", 4, 2, 0, 0},  {"ch8/1blk", 8, 1, 0, 0},  {"ch2/4cols", 2, 3, 4, 0}, {"ch4/2cols", 4, 3, 2, 0},
+    {"1tile", 1, 0, 0, 1},     {"2tiles", 1, 0, 0, 2},
 };
 std::vector<std::string> g_stream_summary;
 
@@ -595,11 +603,12 @@ void time_stream_variants(const std::string& bench, const std::string& name, int
   double best = s_auto;
   std::string best_name = "auto";
   for (const StreamVariant& v : kStreamVariants) {
-    if (bench != "grouped" && v.cols != 0) continue;
+    if (bench != "grouped" && (v.cols != 0 || v.tiles != 0)) continue;
     g::MmaConfig c = keep;
     c.stream = v.stream;
     c.stream_blocks = v.blocks;
     c.stream_cols = v.cols;
+    c.group_tiles = v.tiles;
     g::set_mma_config(c);
     const double sv = time_op(op);
     const std::string shape = g::testing::mma_last_launch();
