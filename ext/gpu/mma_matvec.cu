@@ -317,6 +317,14 @@ template <DType T>
 DS4_HD constexpr int stream_nvec(int ch) {
   return stream_chunk_bytes<T>() * ch / 16;
 }
+// Bytes from one stage row to the next in shared memory: the row's vectors, plus 16 where that
+// would be a multiple of 64 bytes for Q8_0 / Q4_K (rows g and g + 2 or g + 4 of a warp's decode
+// reads would share banks: 4-way; padded 2-way, as phase 1's 144 / 80-byte rows). F16/BF16 rows
+// keep multiples of 128 bytes (their vector swizzle spreads rows g, g + 1).
+template <DType T>
+DS4_HD constexpr int stream_wstride(int ch) {
+  return 16 * stream_nvec<T>(ch) + ((T == DType::Q8_0 || T == DType::Q4_K) && stream_nvec<T>(ch) % 4 == 0 ? 16 : 0);
+}
 // Source byte (within the row) of vector v of stage is, and where it goes in the stage row (in vectors).
 template <DType T>
 DS4_HD int64_t stream_src(int64_t is, int ch, int v) {
@@ -359,7 +367,7 @@ DS4_HD constexpr int stream_sx_at(int c, int ch, int b) { return c * 4 * ch + b;
 // (hi, lo, Q4_K's Sx); all multiples of 16.
 template <DType T>
 DS4_HD constexpr int stream_slot_bytes(int ch, int nx) {
-  return 64 * 16 * stream_nvec<T>(ch) + nx * stream_xstride(ch) * 4;
+  return 64 * stream_wstride<T>(ch) + nx * stream_xstride(ch) * 4;
 }
 template <DType T>
 DS4_HD constexpr int stream_split_bytes(int ch, int nx) {
@@ -800,7 +808,7 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
   constexpr int NP = 8 * NT, BR = 64;
   constexpr bool kQ4K = T == DType::Q4_K;
   const int ch = a.ch, S = a.nst, nx = a.nx, SB = a.stage_bytes;
-  const int nvec = stream_nvec<T>(ch), wstride = 16 * nvec, xs = stream_xstride(ch);
+  const int nvec = stream_nvec<T>(ch), wstride = stream_wstride<T>(ch), xs = stream_xstride(ch);
   const int wbytes = BR * wstride;
   const int tid = static_cast<int>(threadIdx.x), warp = tid / DS4_WARP, lane = tid % DS4_WARP;
   const int g = lane >> 2, t = lane & 3;
