@@ -1658,7 +1658,13 @@ void grouped_typed(const TensorView& W, const ExpertPart* parts, const int32_t* 
   const int64_t n_expert = std::max<int64_t>(W.ne[2], 1);
   const bool two = cfg.group_tiles == 2 || (cfg.group_tiles == 0 && max_parts >= 8 * n_expert);
   const StreamShape sh2 = two ? stream_shape<T>(cfg, 16, block_chunks, inl) : StreamShape{};
-  const int nx = cfg.stream_cols > 0 ? cfg.stream_cols : pow2_at_least(std::clamp(max_cols, 1, 8));
+  // Staged columns: forced, or the call's bound max_cols, but no more than twice the pairs an expert
+  // gets on average (max_parts pairs over n_expert), at least 2: a part of more pairs runs in
+  // pieces (its rows streamed again), which for a routing near the average is rare, and the smem
+  // saved goes to longer weight copies (Q4_K 8 columns: ch 2; 2 columns: ch 8).
+  const int mean2 = static_cast<int>(std::min<int64_t>(8, (2 * static_cast<int64_t>(max_parts) + n_expert - 1) / n_expert));
+  const int nx = cfg.stream_cols > 0 ? cfg.stream_cols
+                                     : std::min(pow2_at_least(std::clamp(max_cols, 1, 8)), std::max(2, pow2_at_least(mean2)));
   const StreamShape sh = sh2.ch != 0 ? StreamShape{} : stream_shape<T>(cfg, nx, block_chunks, inl);
   if (sh2.ch != 0) {
     if (inl) launch_stream<T, 2, true, true, true>(grid, a, sh2, s);

@@ -108,8 +108,10 @@ int mma_kslices(const TensorView& W);
 //   stream_blocks: blocks an SM the streaming ring's shared memory is sized for (1..3; 0 auto: 3;
 //           the kernel's registers, <= 168, allow 3)
 //   stream_cols: the grouped form's activation columns a streaming stage holds (1, 2, 4, 8; 0 auto:
-//           max_cols); a part of more pairs runs in pieces of that many (its rows streamed once a
-//           piece), so fewer leaves room for more weight stages where most parts are small
+//           max_cols, at most the power of two >= twice the average pairs an expert (max_parts /
+//           experts), at least 2); a part of more pairs runs in pieces of that many (its rows
+//           streamed once a piece), so fewer leaves room for longer weight copies where most parts
+//           are small
 //   group_tiles: n-tiles a grouped streaming block takes (MMA.md phase 5): 1 one part; 2 two
 //           consecutive parts of the same expert (each A fragment decoded once for both; the block
 //           of the second part returns at once); 0 auto: 2 where max_parts >= 8 x the experts (8

@@ -587,7 +587,7 @@ struct StreamVariant {
 const StreamVariant kStreamVariants[] = {
     {"phase-1", 0, 0, 0, 0},   {"ch2", 2, 3, 0, 0},       {"ch4", 4, 3, 0, 0},       {"ch2/2blk", 2, 2, 0, 0},
     {"ch4/2blk", 4, 2, 0, 0},  {"ch8/1blk", 8, 1, 0, 0},  {"ch2/4cols", 2, 3, 4, 0}, {"ch4/2cols", 4, 3, 2, 0},
-    {"1tile", 1, 0, 0, 1},     {"2tiles", 1, 0, 0, 2},
+    {"1tile", 1, 0, 0, 1},     {"2tiles", 1, 0, 0, 2},    {"8cols", 1, 0, 8, 0},
 };
 std::vector<std::string> g_stream_summary;
 
