@@ -17,6 +17,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
         const TensorView& W, const float* X, int64_t x_rows, int64_t ldx, const int32_t* pair_expert,
         const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols) except +
     void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
+    void gpu_set_matvec_persistent "ds4::gpu::testing::set_matvec_persistent"(cbool on) except +
     void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
@@ -247,6 +248,12 @@ def _t_gpu_set_matvec_chunked(on):
     gpu_set_matvec_chunked(bool(on))
 
 
+def _t_gpu_set_matvec_persistent(on):
+    """Give the direct matvec kernel its persistent grid (each block several row blocks) or one block a
+    row block, process-wide (the bits never change; DS4_GPU_MV_PERSIST=0 is the environment's way)."""
+    gpu_set_matvec_persistent(bool(on))
+
+
 def _t_gpu_set_matvec_grouped(int variant):
     """Which grouped kernel Q4_K expert products take, process-wide: 0 pass 5, 1 the own body,
     2 the own body with the one-fma decode (ext/gpu/matvec.cuh; the bits never change)."""
@@ -361,6 +368,7 @@ _GPU_TESTING = dict(
     gpu_matmul=_t_gpu_matmul,
     gpu_matmul_grouped=_t_gpu_matmul_grouped,
     gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
+    gpu_set_matvec_persistent=_t_gpu_set_matvec_persistent,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,

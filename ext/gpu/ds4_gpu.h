@@ -87,6 +87,9 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
 // matrix allows (on by default; DS4_GPU_MV_CHUNKED=0 turns it off): false sends them to the
 // unit-by-unit loads, which give the same bits (for tests and benches; process-wide).
 void set_matvec_chunked(bool on);
+// The direct kernel's persistent grid (matvec.cu; on by default, DS4_GPU_MV_PERSIST=0 turns it off):
+// at most the blocks the device holds at once, each walking several row blocks. Same bits.
+void set_matvec_persistent(bool on);
 // The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and
 // width, matvec.cuh) as one number: a CUDA graph bakes in the kernels chosen at its capture, so
 // the engine keys its graphs by it.
@@ -128,8 +131,10 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
 // i reads elements [i * K, (i + 1) * K) of each column; Y [ncols][n_batch * rows] in member order.
 void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols, float* Y, bool tall,
                     int staged_min);
-// ds4::gpu::set_matvec_chunked and set_matvec_grouped (matvec.cuh), for the binding.
+// ds4::gpu::set_matvec_chunked, set_matvec_persistent and set_matvec_grouped (matvec.cuh), for the
+// binding.
 void set_matvec_chunked(bool on);
+void set_matvec_persistent(bool on);
 void set_matvec_grouped(int variant);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
@@ -160,6 +165,7 @@ inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, co
   no_backend();
 }
 inline void set_matvec_chunked(bool) { no_backend(); }
+inline void set_matvec_persistent(bool) { no_backend(); }
 inline void set_matvec_grouped(int) { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }

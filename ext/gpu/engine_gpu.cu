@@ -287,10 +287,10 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   graphs = env_flag("DS4_GPU_GRAPHS", opts.max_ctx <= kGraphsDefaultMaxCtx);
   tall = env_flag("DS4_GPU_MV_TALL", true);
   staged = env_flag("DS4_GPU_MV_STAGED", true);
-  // The L2 prefetch: on by default where the device has it (unmeasured default, README "Pass 9").
-  // A window asks for at most half the L2, so what it brings in is still there when the kernels
-  // after the stretch read it; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
-  prefetch = env_flag("DS4_GPU_L2_PREFETCH", true) && l2_prefetch_supported();
+  // The L2 prefetch: off by default (measured on the H200, README "Pass 9: outcome": it made flash-l4
+  // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
+  // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
+  prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
     char* end = nullptr;

@@ -153,6 +153,51 @@ bool use_chunks(const TensorView& W, int64_t units) {
 template <int T>
 constexpr bool kTallType = T == kQ8_0 || T == kF16 || T == kBF16;
 
+// The direct kernel's persistent grid (set_matvec_persistent / DS4_GPU_MV_PERSIST=0 turns it off):
+// at most as many blocks as the device holds at once, each walking row blocks x, x + grid, ... so
+// its warps' chunked weight streams run on from one row block into the next (matvec_blocks'
+// issue_next) instead of every block filling its pipeline from empty. Which block computes a row
+// block never changes a result.
+std::atomic<int> g_persistent{-1};  // -1: not read from the environment yet
+
+bool persistent_on() {
+  int v = g_persistent.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_MV_PERSIST");
+    v = (e != nullptr && std::string(e) == "0") ? 0 : 1;
+    g_persistent.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+// Blocks of the direct kernel <T, NC, TALL> the whole device holds at once (0 where the runtime
+// cannot say: the grid is then one block a row block). Asked once per instantiation.
+template <int T, int NC, bool TALL>
+int64_t dense_resident_blocks() {
+  static const int64_t n = [] {
+    int dev = 0, sms = 0, per_sm = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, TALL>, kMatvecThreads, 0) !=
+            cudaSuccess) {
+      (void)cudaGetLastError();
+      return int64_t{0};
+    }
+    return static_cast<int64_t>(sms) * per_sm;
+  }();
+  return n;
+}
+
+// Blocks a direct launch of n_blocks row blocks (per batch member) gets: all of them, or with the
+// persistent grid the fewest that take `rounds` row blocks each, rounds = ceil(n_blocks / what the
+// device holds for one member), so the last round is as full as the others.
+int64_t dense_grid(int64_t n_blocks, int64_t resident, int n_batch) {
+  const int64_t per_member = resident / std::max(n_batch, 1);
+  if (!persistent_on() || per_member <= 0 || n_blocks <= per_member) return n_blocks;
+  const int64_t rounds = (n_blocks + per_member - 1) / per_member;
+  return (n_blocks + rounds - 1) / rounds;
+}
+
 template <int T, int NC>
 void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
                      bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
@@ -162,14 +207,16 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
   if constexpr (kTallType<T>) {
     if (tall && rows >= kTallRows) {
       const int64_t br = 2 * matvec_block_rows(NC, ks);
-      const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
+      const int64_t n_blocks = dense_grid((rows + br - 1) / br, dense_resident_blocks<T, NC, true>(), n_batch);
+      const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
       launch(matvec_dense_kernel<T, NC, true>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X,
                                                                         ldx, Y, ldy, chunks, batch);
       return;
     }
   }
   const int64_t br = matvec_block_rows(NC, ks);
-  const dim3 grid(static_cast<unsigned>((rows + br - 1) / br), static_cast<unsigned>(n_batch));
+  const int64_t n_blocks = dense_grid((rows + br - 1) / br, dense_resident_blocks<T, NC, false>(), n_batch);
+  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
   launch(matvec_dense_kernel<T, NC, false>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X, ldx,
                                                                      Y, ldy, chunks, batch);
 }
@@ -667,6 +714,8 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
 
 void set_matvec_chunked(bool on) { g_chunked.store(on ? 1 : 0, std::memory_order_relaxed); }
 
+void set_matvec_persistent(bool on) { g_persistent.store(on ? 1 : 0, std::memory_order_relaxed); }
+
 void set_matvec_grouped(int variant, int stages, int width) {
   if (variant < kGroupedPass5 || variant > kGroupedOwnFast)
     throw std::invalid_argument("set_matvec_grouped: variant must be 0 (pass 5), 1 (own body) or 2 (own body, one-fma decode)");
@@ -721,9 +770,11 @@ int matvec_settings_key() {
   // 11 tensor cores; with them on, their launch choices (mma_matvec.cuh's MmaConfig, the same bits
   // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
   // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch);
-  // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits).
+  // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits); 18 the direct
+  // kernel's persistent grid.
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
-            grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17;
+            grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17 |
+            (persistent_on() ? 1 : 0) << 18;
   if (mma_on()) {
     const MmaConfig c = mma_config();
     key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15 |

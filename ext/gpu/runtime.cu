@@ -158,6 +158,8 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
 
 void set_matvec_chunked(bool on) { ds4::gpu::set_matvec_chunked(on); }
 
+void set_matvec_persistent(bool on) { ds4::gpu::set_matvec_persistent(on); }
+
 void set_matvec_grouped(int variant) { ds4::gpu::set_matvec_grouped(variant); }
 
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps) {

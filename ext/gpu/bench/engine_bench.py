@@ -1,7 +1,7 @@
 """Decode and prefill throughput of the GPU engine on a DS4 GGUF, each decode figure against its roofline.
 
     python3 ext/gpu/bench/engine_bench.py MODEL.gguf [--json OUT.json] [--ctx 600] [--steps 24]
-                                                     [--long-ctx 2100]
+                                                     [--long-ctx 2100] [--variants pdl=0:l2=0,pdl=1,...]
 
 Through Runner(backend="cuda"|"hip"), one engine step per runner.step call (host time, which
 includes the plan upload, every kernel and the logits download). Method:
@@ -27,6 +27,13 @@ includes the plan upload, every kernel and the logits download). Method:
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
   (at the long context) and 2 prefill steps of 64 rows, eager + tall + staged + chunked, into
   JSON.profile.txt;
+- --variants: instead of the three modes, the default mode under each of several switch settings
+  set in this one process (`pdl=0/1` programmatic dependent launch, `l2=0/1` the L2 prefetch,
+  `mma=0/1` the tensor cores, `fuse=0/1` the fused launches, `persist=0/1` the direct matvec's
+  persistent grid; joined by ':', variants by ','; what
+  a variant does not name is at its default): prefill and decode interleave the variants for each
+  size, and the exactness check compares every variant's logits with the first one's, bit for bit
+  (expected equal for all but `mma`); the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
   C embedding rows; per lane and layer its attention keys (window and compressed rows, f16) and, on
@@ -178,6 +185,45 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
     return f"graphs={int(graphs)} tall={int(tall)} staged={int(staged)} chunked={int(chunked)}"
 
 
+# The switches a --variants entry may name, each with its setter; unnamed ones go back to the default.
+SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True}  # l2: the engine's default
+
+
+def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
+    want = dict(SWITCH_DEFAULTS, l2=l2_default)
+    for item in filter(None, spec.split(":")):
+        key, _, value = item.partition("=")
+        if key not in want:
+            raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
+        want[key] = value != "0"
+    _native._testing.gpu_set_pdl(want["pdl"])
+    runner._impl.use_l2_prefetch = want["l2"]
+    _native._testing.gpu_set_matvec_mma(want["mma"])
+    _native._testing.gpu_set_matvec_fuse(want["fuse"])
+    _native._testing.gpu_set_matvec_persistent(want["persist"])
+
+
+class Runs:
+    """What prefill and decode iterate over: the three modes, or the default mode under each variant."""
+
+    def __init__(self, runner: Runner, variants: list[str]):
+        self.runner, self.variants = runner, variants
+        self.l2_default = bool(getattr(runner._impl, "use_l2_prefetch", False))
+        self.items = [(m, None) for m in MODES] if not variants else [(MODES[-1], v) for v in variants]
+
+    def set(self, item) -> str:
+        mode, variant = item
+        set_mode(self.runner, *mode)
+        if variant is not None:
+            set_variant(self.runner, variant, self.l2_default)
+        return mode_name(*mode) + (f" [{variant}]" if variant is not None else "")
+
+    def reset(self) -> None:
+        set_mode(self.runner, *REFERENCE)
+        if self.variants:
+            set_variant(self.runner, "", self.l2_default)
+
+
 def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
     """Each mode's logits from the same prompts against the reference mode, bit for bit."""
     rng = np.random.default_rng(7)
@@ -208,13 +254,41 @@ def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
     return results
 
 
+def variant_exactness(runner: Runner, mf: ModelFile, runs: Runs) -> list[dict]:
+    """exactness()'s prompts under each variant (default mode), against the first variant bit for bit."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
+    feed = rng.integers(0, mf.config.n_vocab, (6, 4))
+    results, base = [], None
+    for item in runs.items:
+        name = runs.set(item)
+        out = []
+        for s in range(4):
+            runner.reset_slot(s)
+            out.append(prefill(runner, s, prompts[s], 32))
+        for k in range(6):
+            lanes = [(s, int(feed[k, s]), 150 + k, True) for s in range(4)]
+            out.append(runner.step(StepPlan.build(lanes, {s: table(s) for s in range(4)}, BLOCKS)))
+        got = np.concatenate(out)
+        base = got if base is None else base
+        row = {"variant": name, "bit_identical": bool(np.array_equal(got.view(np.uint32), base.view(np.uint32))),
+               "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
+        results.append(row)
+        print(f"exactness {name}: bit-identical to the first {row['bit_identical']}, "
+              f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
+    runs.reset()
+    for s in range(4):
+        runner.reset_slot(s)
+    return results
+
+
 def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, steps: int,
-           copy_bw: float | None) -> list[dict]:
-    """Greedy decode of the first C slots for each C, in each mode back to back: step times, tok/s
-    and the roofline fraction."""
+           copy_bw: float | None, runs: Runs) -> list[dict]:
+    """Greedy decode of the first C slots for each C, in each mode (or variant) back to back: step
+    times, tok/s and the roofline fraction."""
     rows = []
-    for c, mode in ((c, m) for c in concurrencies for m in MODES):
-        set_mode(runner, *mode)
+    for c, item in ((c, m) for c in concurrencies for m in runs.items):
+        name = runs.set(item)
         times = []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
@@ -228,7 +302,7 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
                 nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
-        row = {"concurrency": c, "mode": mode_name(*mode), "step_ms_median": step * 1e3,
+        row = {"concurrency": c, "mode": name, "step_ms_median": step * 1e3,
                "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
@@ -237,7 +311,7 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
         print(f"decode C={c} {row['mode']}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
-    set_mode(runner, *REFERENCE)
+    runs.reset()
     return rows
 
 
@@ -248,6 +322,7 @@ def main() -> int:
     ap.add_argument("--ctx", type=int, default=600)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
+    ap.add_argument("--variants", default="", help="switch settings to compare in one process (module docstring)")
     ap.add_argument("--prefill-rows", default="16,64",
                     help="prompt rows a prefill step, comma-separated (the runner's max_rows is the largest, at least 64)")
     args = ap.parse_args()
@@ -273,12 +348,15 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2))
 
+    runs = Runs(runner, [v for v in args.variants.split(",") if v or args.variants])
     result["exactness"] = exactness(runner, mf)
+    if runs.variants:
+        result["variant_exactness"] = variant_exactness(runner, mf, runs)
     save()
 
     result["prefill"] = []
-    for mode in MODES:
-        set_mode(runner, *mode)
+    for item in runs.items:
+        name = runs.set(item)
         for rows in prefill_rows:
             runner.reset_slot(SLOTS - 1)
             prompt = rng.integers(0, mf.config.n_vocab, 2048)
@@ -287,14 +365,14 @@ def main() -> int:
             t0 = time.perf_counter()
             prefill(runner, SLOTS - 1, prompt, rows)
             dt = time.perf_counter() - t0
-            result["prefill"].append({"mode": mode_name(*mode), "rows_per_step": rows,
+            result["prefill"].append({"mode": name, "rows_per_step": rows,
                                       "tokens": len(prompt),
                                       "seconds": dt, "tok_s": len(prompt) / dt})
-            print(f"prefill {rows} rows/step {mode_name(*mode)}: "
+            print(f"prefill {rows} rows/step {name}: "
                   f"{len(prompt) / dt:.0f} tok/s",
                   flush=True)
     runner.reset_slot(SLOTS - 1)
-    set_mode(runner, *REFERENCE)
+    runs.reset()
     save()
 
     nxt, pos = {}, {}
@@ -302,7 +380,7 @@ def main() -> int:
         logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
         nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
     copy_bw = result["bandwidth"].get("copy_GBps")
-    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 6, 8), args.steps, copy_bw)
+    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 6, 8), args.steps, copy_bw, runs)
     save()
     if args.long_ctx:
         for s in range(SLOTS):
@@ -310,17 +388,20 @@ def main() -> int:
             logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.long_ctx), 64)
             nxt[s], pos[s] = int(np.argmax(logits[-1])), args.long_ctx
         print(f"-- decode at {args.long_ctx}", flush=True)
-        result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw)
+        result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw, runs)
     result["graphs_captured"] = runner._impl.graphs_captured
     save()
     set_mode(runner, False, True, True, True)
-    try:
-        result["profile"] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(".profile.txt") if args.json
-                                   else None)
-    except Exception as e:  # the profile is a diagnostic; the figures above stand without it
-        result["profile"] = {"error": f"{type(e).__name__}: {e}"}
-        print("profile:", result["profile"])
-    save()
+    for k, variant in enumerate(runs.variants or [None]):
+        key, suffix = ("profile", ".profile.txt") if variant is None else (f"profile {variant}", f".profile-{k}.txt")
+        if variant is not None:
+            set_variant(runner, variant, runs.l2_default)
+        try:
+            result[key] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(suffix) if args.json else None)
+        except Exception as e:  # the profile is a diagnostic; the figures above stand without it
+            result[key] = {"error": f"{type(e).__name__}: {e}"}
+            print("profile:", result[key])
+        save()
     return 0
 
 

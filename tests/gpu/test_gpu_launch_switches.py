@@ -1,0 +1,118 @@
+"""Launch switches that change when or where work runs, never a result.
+
+Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hooks (``_testing``):
+
+- ``gpu_set_pdl(on) -> bool``: programmatic dependent launch (ext/gpu/launch.cuh), process-wide
+  (DS4_GPU_PDL=0), returning whether it is on now (only on CUDA devices of compute capability
+  9.0+). With it on, a kernel's blocks may start while the previous kernel finishes and run up to
+  their ``ds4_grid_wait``; a kernel that read or wrote before that wait would race with its
+  predecessor.
+- ``gpu_set_matvec_persistent(on)``: the direct matvec kernel's persistent grid (matvec.cu;
+  DS4_GPU_MV_PERSIST=0): each block walks several row blocks.
+
+The engine's logits over decode, packed prompts and several lanes, eager and under graphs, with the
+SIMT and the tensor-core products (whose kernels are launched without the PDL attribute, so the
+chain mixes both kinds of edge), must be bit-identical with each switch on and off.
+"""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+from tests.engine_cases import Seq, prompt, run
+from tests.gpu.test_gpu_fused import bits, gpu_engine, tiny_model_file  # noqa: F401 (fixture)
+from tests.gpu.test_gpu_kernels import tame_raw
+
+native = pytest.importorskip("ds4_app.engine._native")
+T = native._testing
+pytestmark = pytest.mark.gpu
+
+
+Q8_0, F16 = 8, 1
+
+
+@pytest.fixture
+def restore_pdl():
+    """Put the switches back to their defaults after a test."""
+    yield
+    T.gpu_set_pdl(True)
+    T.gpu_set_matvec_persistent(True)
+    T.gpu_set_matvec_mma(False)
+
+
+def set_persistent(on: bool) -> bool:
+    T.gpu_set_matvec_persistent(on)
+    return True
+
+
+SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent}
+
+
+def cases(mf) -> list[list[Seq]]:
+    return [
+        [Seq(prompt(mf, 81, 40), slot=0, pages=[0, 1])],
+        [Seq(prompt(mf, 82, 44), slot=1, pages=[2, 3], rows=1),
+         Seq(prompt(mf, 83, 40), slot=3, pages=[4]),
+         Seq(prompt(mf, 84, 41), slot=5, pages=[6, 7], start=1)],
+        [Seq(prompt(mf, 85, 44), slot=2, pages=[8], rows=16)],
+    ]
+
+
+def test_the_switch_is_on_by_default_on_hopper(tiny_model_file, restore_pdl) -> None:  # noqa: F811
+    eng = gpu_engine(tiny_model_file, max_slots=1, max_rows=1)
+    cc = re.search(r"cc (\d+)\.", eng.device_name)
+    on = T.gpu_set_pdl(True)
+    if cc and int(cc.group(1)) >= 9:
+        assert on, eng.device_name
+    assert T.gpu_set_pdl(False) is False
+
+
+@pytest.mark.parametrize("t", [Q8_0, F16], ids=["Q8_0", "F16"])
+@pytest.mark.parametrize("tall", [False, True], ids=["direct", "tall"])
+def test_persistent_grid_gives_the_same_bits(t: int, tall: bool, restore_pdl) -> None:
+    """A matrix of far more row blocks than the device holds (several rounds a block), 1, 3 and 16
+    columns: the persistent grid's outputs equal one block a row block's, bit for bit."""
+    rng = np.random.default_rng(11)
+    ne0, ne1 = 256, 70001
+    raw = tame_raw(t, ne0 * ne1, rng)
+    for ncols in (1, 3, 16):
+        x = rng.standard_normal((ncols, ne0)).astype(np.float32)
+        out = {}
+        for on in (False, True):
+            T.gpu_set_matvec_persistent(on)
+            out[on] = T.gpu_matmul(t, raw, ne0, ne1, x, tall=tall, staged=False)
+        assert np.isfinite(out[True]).all()
+        assert np.array_equal(bits(out[False]), bits(out[True])), f"{ncols} columns"
+
+
+@pytest.mark.parametrize("switch", sorted(SWITCHES))
+@pytest.mark.parametrize("mma", [False, True], ids=["simt", "tensor-cores"])
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, graphs: bool, mma: bool,  # noqa: F811
+                                                               switch: str, restore_pdl) -> None:
+    """One lane, three lanes in three slots, and a prompt fed 16 rows a step: the same bits with the
+    switch on and off; under graphs the switch captures new graphs (bits 17 and 18 of the graph key)."""
+    mf = tiny_model_file
+    if mma and not T.gpu_set_matvec_mma(True):
+        pytest.skip("no tensor-core kernels in this build")
+    eng = gpu_engine(mf)
+    eng.use_graphs = graphs
+    out = {}
+    captured = eng.graphs_captured
+    for pdl in (False, True):
+        effective = SWITCHES[switch](pdl)
+        out[pdl] = []
+        for seqs in cases(mf):
+            for s in seqs:
+                eng.reset_slot(s.slot)
+            out[pdl].append(run(eng, seqs))
+        if graphs and effective:
+            assert eng.graphs_captured > captured, "the PDL switch must capture new graphs"
+            captured = eng.graphs_captured
+    for case, (off, on) in enumerate(zip(out[False], out[True])):
+        for k, (a, b) in enumerate(zip(off, on)):
+            assert np.isfinite(a).all()
+            assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
