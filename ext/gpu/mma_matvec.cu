@@ -1195,6 +1195,7 @@ struct MmaDevice {
   int sms = 132;
   int optin = 48 * 1024;
   int smem_sm = 100 * 1024;  // shared memory an SM
+  int smem_reserved = 1024;  // the system's shared memory a block
   int max_cluster = 1;  // largest cluster every FOLD kernel can be launched with (1: no clusters)
   int stream_fold_smem = 48 * 1024;  // the most a streaming FOLD launch takes (its cluster query's size)
 };
@@ -1266,7 +1267,8 @@ void set_attr() {
 // Shared memory a streaming block may take so that `blocks` of them fit an SM (the system's 1 KB a
 // block and the kernel's static column table off), at most the opt-in limit; multiple of 16.
 int stream_budget(int blocks) {
-  const int b = std::min(g_dev.optin, g_dev.smem_sm / std::max(blocks, 1) - 1024 - 256);
+  // 512: the static column table (StreamCols<16>: 388 bytes) with room to spare.
+  const int b = std::min(g_dev.optin, g_dev.smem_sm / std::max(blocks, 1) - g_dev.smem_reserved - 512);
   return std::max(b, 0) & ~15;
 }
 constexpr int kStreamBlocksAuto = 3;
@@ -1342,6 +1344,12 @@ void prepare_once() {
     smem_sm = optin;
   }
   g_dev.smem_sm = smem_sm;
+  int reserved = 0;
+  if (cudaDeviceGetAttribute(&reserved, cudaDevAttrReservedSharedMemoryPerBlock, dev) != cudaSuccess || reserved < 0) {
+    (void)cudaGetLastError();
+    reserved = 1024;
+  }
+  g_dev.smem_reserved = std::max(reserved, 1024);
   g_dev.stream_fold_smem = stream_budget(kStreamBlocksAuto);
   // The FOLD kernels' barrier is sm_90 code (the build's -arch must be sm_90 or newer too: the
   // module is built for one architecture, so a device of cc >= 9 runs sm_90+ code).
