@@ -784,6 +784,20 @@ __device__ __forceinline__ void cp_async_wait_dyn(int n) {
 
 __device__ __forceinline__ int ilog2(int v) { return 31 - __clz(v); }
 
+// Two parts a block (grouped NT 2): parts of one expert are consecutive in the list (the planner
+// sorts pairs by expert), so part p's block walks back to the first part of its expert's run; the
+// block of an even position in the run takes part p and, where the run goes on, part p + 1 (*second
+// = p + 1, else -1); a block of an odd position takes nothing (returns false). Every part is taken
+// by exactly one block (testing::mma_decode_selftest checks it on random lists).
+DS4_HD bool stream_pair_parts(const ExpertPart* parts, int np, int p, int* second) {
+  const int e = parts[p].expert;
+  int q = p;
+  while (q > 0 && parts[q - 1].expert == e) --q;
+  if ((p - q) & 1) return false;
+  *second = p + 1 < np && parts[p + 1].expert == e ? p + 1 : -1;
+  return true;
+}
+
 // The columns of a streaming block: NP = 8 NT slots; bit j of mask says slot j holds a column of
 // the call (its x is staged and split, its outputs stored); the other slots are zero B columns.
 template <int NP>
@@ -1079,10 +1093,9 @@ __global__ void __launch_bounds__(kThreads, kStreamMinBlocks) mma_stream_kernel(
     const ExpertPart pt = a.parts[p];
     ExpertPart pt2{};  // NT 2: the next part of the same expert (count 0: none)
     if constexpr (NT == 2) {
-      int q = p;
-      while (q > 0 && a.parts[q - 1].expert == pt.expert) --q;
-      if ((p - q) & 1) return;  // the block of part p - 1 takes this one
-      if (p + 1 < np && a.parts[p + 1].expert == pt.expert) pt2 = a.parts[p + 1];
+      int second = -1;
+      if (!stream_pair_parts(a.parts, np, p, &second)) return;  // the block of part p - 1 takes this one
+      if (second >= 0) pt2 = a.parts[second];
     }
     const int row0 = static_cast<int>(blockIdx.x) * BR;
     const uint8_t* We = a.W + static_cast<int64_t>(pt.expert) * a.expert_bytes;
@@ -1911,6 +1924,46 @@ int stream_x_selftest(std::string* first) {
   return bad;
 }
 
+// stream_pair_parts on random part lists (runs of 1 .. 9 parts an expert, experts increasing):
+// every part taken by exactly one block, the second part of a block always of the same expert and
+// the next in the list.
+int stream_pairs_selftest(uint64_t seed, std::string* first) {
+  std::mt19937_64 gen(seed ^ 0x9a17u);
+  int bad = 0;
+  for (int trial = 0; trial < 200; ++trial) {
+    std::vector<ExpertPart> parts;
+    int e = 0;
+    const int n_runs = 1 + static_cast<int>(gen() % 40);
+    for (int r = 0; r < n_runs; ++r) {
+      e += 1 + static_cast<int>(gen() % 3);
+      const int len = 1 + static_cast<int>(gen() % 9);
+      for (int k = 0; k < len; ++k) parts.push_back(ExpertPart{e, static_cast<int32_t>(parts.size()) * 8, 8});
+    }
+    const int np = static_cast<int>(parts.size());
+    std::vector<int> taken(static_cast<size_t>(np), 0);
+    for (int p = 0; p < np; ++p) {
+      int second = -1;
+      if (!stream_pair_parts(parts.data(), np, p, &second)) continue;
+      ++taken[static_cast<size_t>(p)];
+      if (second >= 0) {
+        if (second != p + 1 || parts[static_cast<size_t>(second)].expert != parts[static_cast<size_t>(p)].expert) {
+          if (first != nullptr && first->empty()) *first = "two parts a block: part " + std::to_string(p) + " pairs with " + std::to_string(second);
+          ++bad;
+          continue;
+        }
+        ++taken[static_cast<size_t>(second)];
+      }
+    }
+    for (int p = 0; p < np; ++p)
+      if (taken[static_cast<size_t>(p)] != 1) {
+        if (first != nullptr && first->empty())
+          *first = "two parts a block: part " + std::to_string(p) + " taken " + std::to_string(taken[static_cast<size_t>(p)]) + " times";
+        ++bad;
+      }
+  }
+  return bad;
+}
+
 }  // namespace
 
 bool mma_matvec_supported(DType t) {
@@ -1999,7 +2052,7 @@ int mma_decode_selftest(uint64_t seed, std::string* first) {
          selftest_type<DType::F16>(seed, first) + selftest_type<DType::BF16>(seed, first) +
          stream_selftest_type<DType::Q8_0>(seed, first) + stream_selftest_type<DType::Q4_K>(seed, first) +
          stream_selftest_type<DType::F16>(seed, first) + stream_selftest_type<DType::BF16>(seed, first) +
-         stream_x_selftest(first);
+         stream_x_selftest(first) + stream_pairs_selftest(seed, first);
 }
 
 int mma_fold_cluster_limit() {

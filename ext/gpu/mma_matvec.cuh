@@ -168,7 +168,10 @@ namespace testing {
 // Host only (no GPU): for Q8_0, Q4_K, F16, BF16 rows of random valid blocks, every 128-k stage copied
 // into a stage row as the kernel's cp.async copies do and every k-block decoded by the kernel's
 // decoder for every thread t; each implied weight (Q8_0 q*d, Q4_K fmaf(dl, q, -ml), F16/BF16 the
-// value) compared with ext/cpu/quant.cpp's. Returns the number of wrong weights; *first the first.
+// value) compared with ext/cpu/quant.cpp's. Phase 5's streaming stages too: for ch = 2, 4, 8 chunks a
+// stage, every stage copied with the streaming kernel's offsets and decoded by its decoder; the
+// activation stage's index functions; and the two-parts-a-block assignment on random part lists
+// (every part taken once). Returns the number of wrong items; *first the first.
 int mma_decode_selftest(uint64_t seed, std::string* first);
 // One MMA on the device with A[i][k] = 1 + i + 16k, B[k][j] = 1 + 2k + 3j (small integers, so
 // the product is exact), C[i][j] = 1000 i + j, placed by the fragment layout mma_matvec.cu uses;

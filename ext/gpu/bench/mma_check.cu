@@ -11,7 +11,9 @@
 // Checks (every failure prints what failed with the first mismatching element; exit 1 if any
 // exactness check fails, 2 if only the accuracy bound fails, 0 otherwise):
 //   decode       (host) every 128-k stage of random rows staged and decoded by the kernels' own
-//                functions, each weight equal to the CPU dequantizer's
+//                functions, each weight equal to the CPU dequantizer's; likewise phase 5's streaming
+//                stages of 2, 4, 8 chunks, its activation-stage offsets, and its two-parts-a-block
+//                assignment (every part of random part lists taken by exactly one block)
 //   probe        one MMA with small integers: the fragment layout the kernels assume
 //   width        for Q8_0, Q4_K, F16, BF16 at four shapes (K-slices 1, 4, 8, 16; rows not a multiple of
 //                16/64/128), ncols in {1,2,3,5,8,9,16,17,64,256}, under every launch configuration
