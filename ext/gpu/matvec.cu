@@ -152,6 +152,10 @@ bool use_chunks(const TensorView& W, int64_t units) {
 // them would only add compile time).
 template <int T>
 constexpr bool kTallType = T == kQ8_0 || T == kF16 || T == kBF16;
+// Types the short variant is built for: the few-row matrices of DS4 GGUFs (the mHC projections,
+// the router, the output mHC head) are F16, BF16 or F32.
+template <int T>
+constexpr bool kShortType = T == kF32 || T == kF16 || T == kBF16;
 
 // The direct kernel's persistent grid (set_matvec_persistent / DS4_GPU_MV_PERSIST=0 turns it off):
 // at most as many blocks as the device holds at once, each walking row blocks x, x + grid, ... so
@@ -170,20 +174,31 @@ bool persistent_on() {
   return v == 1;
 }
 
-// Blocks of the direct kernel <T, NC, TALL> the whole device holds at once (0 where the runtime
+// Multiprocessors of the current device (0 where the runtime cannot say). Asked once.
+int device_sms() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return sms;
+  }();
+  return n;
+}
+
+// Blocks of the direct kernel <T, NC, SHAPE> the whole device holds at once (0 where the runtime
 // cannot say: the grid is then one block a row block). Asked once per instantiation.
-template <int T, int NC, bool TALL>
+template <int T, int NC, int SHAPE>
 int64_t dense_resident_blocks() {
   static const int64_t n = [] {
-    int dev = 0, sms = 0, per_sm = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, TALL>, kMatvecThreads, 0) !=
-            cudaSuccess) {
+    int per_sm = 0;
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE>, kMatvecThreads, 0) !=
+        cudaSuccess) {
       (void)cudaGetLastError();
       return int64_t{0};
     }
-    return static_cast<int64_t>(sms) * per_sm;
+    return static_cast<int64_t>(device_sms()) * per_sm;
   }();
   return n;
 }
@@ -204,21 +219,29 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
+  // One shape's launch: br rows a block, then the (persistent) grid.
+  auto run = [&](auto kernel, int64_t br, int64_t resident) {
+    const int64_t n_blocks = dense_grid((rows + br - 1) / br, resident, n_batch);
+    const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
+    launch(kernel, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy, chunks, batch);
+  };
   if constexpr (kTallType<T>) {
     if (tall && rows >= kTallRows) {
-      const int64_t br = 2 * matvec_block_rows(NC, ks);
-      const int64_t n_blocks = dense_grid((rows + br - 1) / br, dense_resident_blocks<T, NC, true>(), n_batch);
-      const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
-      launch(matvec_dense_kernel<T, NC, true>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X,
-                                                                        ldx, Y, ldy, chunks, batch);
+      run(matvec_dense_kernel<T, NC, kDenseTall>, 2 * matvec_block_rows(NC, ks),
+          dense_resident_blocks<T, NC, kDenseTall>());
       return;
     }
   }
   const int64_t br = matvec_block_rows(NC, ks);
-  const int64_t n_blocks = dense_grid((rows + br - 1) / br, dense_resident_blocks<T, NC, false>(), n_batch);
-  const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
-  launch(matvec_dense_kernel<T, NC, false>, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X, ldx,
-                                                                     Y, ldy, chunks, batch);
+  if constexpr (kShortType<T>) {
+    // Fewer row blocks (all members together) than SMs: one row a warp, up to R times the blocks.
+    if ((rows + br - 1) / br * n_batch < device_sms()) {
+      run(matvec_dense_kernel<T, NC, kDenseShort>, static_cast<int64_t>(kMatvecWarps / ks),
+          dense_resident_blocks<T, NC, kDenseShort>());
+      return;
+    }
+  }
+  run(matvec_dense_kernel<T, NC, kDenseRows>, br, dense_resident_blocks<T, NC, kDenseRows>());
 }
 
 template <int T>
@@ -771,14 +794,18 @@ int matvec_settings_key() {
   // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
   // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch);
   // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits); 18 the direct
-  // kernel's persistent grid.
+  // kernel's persistent grid; 19-28 the tensor cores' stage shapes (below).
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
             grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17 |
             (persistent_on() ? 1 : 0) << 18;
   if (mma_on()) {
+    // Phase 5's stage shapes (MMA.md): stream and stream_cols take 0, 1, 2, 4 or 8 (3 bits as
+    // their log2 + 1), stream_blocks 0..3, group_tiles 0..2.
     const MmaConfig c = mma_config();
+    auto code = [](int v) { return v <= 0 ? 0 : v == 1 ? 1 : v == 2 ? 2 : v == 4 ? 3 : 4; };
     key |= 1 << 11 | (c.slices & 3) << 12 | (c.wide ? 1 : 0) << 14 | (c.wide_nt >= 8 ? 1 : 0) << 15 |
-           (c.fold_inline ? 1 : 0) << 16;
+           (c.fold_inline ? 1 : 0) << 16 | code(c.stream) << 19 | (c.stream_blocks & 3) << 22 |
+           code(c.stream_cols) << 24 | (c.group_tiles & 3) << 27;
   }
   return key;
 }

@@ -511,7 +511,16 @@ struct MatvecBatch {
 // head ran 40% slower.
 constexpr int matvec_min_blocks(int nc) { return nc <= 4 ? 4 : 3; }
 
-template <int T, int NC, bool TALL>
+// The direct kernel's row shapes (its SHAPE template argument): kDenseRows carries rows_per_warp(NC)
+// rows a warp, kDenseTall twice that (the tall variant above), kDenseShort one row a warp, for
+// matrices of so few rows that the usual shape leaves most SMs idle (the mHC projections [16384 ->
+// 24] got 6 blocks; one row a warp gives them 24). R never changes a result.
+constexpr int kDenseRows = 0, kDenseTall = 1, kDenseShort = 2;
+__host__ __device__ constexpr int dense_rows_per_warp(int nc, int shape) {
+  return shape == kDenseTall ? 2 * rows_per_warp(nc) : shape == kDenseShort ? 1 : rows_per_warp(nc);
+}
+
+template <int T, int NC, int SHAPE>
 __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                         const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy, bool chunked,
@@ -519,7 +528,7 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
   W += blockIdx.y * batch.w_bytes;
   X += blockIdx.y * batch.x;
   Y += blockIdx.y * batch.y;
-  constexpr int R = (TALL ? 2 : 1) * rows_per_warp(NC);
+  constexpr int R = dense_rows_per_warp(NC, SHAPE);
   constexpr int S = chunk_stages<T>(R, kMatvecWarps);
   __shared__ float part[kMatvecWarps * R * NC];
   __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];

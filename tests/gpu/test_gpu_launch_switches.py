@@ -10,6 +10,10 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_persistent(on)``: the direct matvec kernel's persistent grid (matvec.cu;
   DS4_GPU_MV_PERSIST=0): each block walks several row blocks.
 
+And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
+row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
+still equal single columns at every width and the CPU within the usual bound.
+
 The engine's logits over decode, packed prompts and several lanes, eager and under graphs, with the
 SIMT and the tensor-core products (whose kernels are launched without the PDL attribute, so the
 chain mixes both kinds of edge), must be bit-identical with each switch on and off.
@@ -31,7 +35,7 @@ T = native._testing
 pytestmark = pytest.mark.gpu
 
 
-Q8_0, F16 = 8, 1
+Q8_0, F16, BF16, F32 = 8, 1, 30, 0
 
 
 @pytest.fixture
@@ -86,6 +90,24 @@ def test_persistent_grid_gives_the_same_bits(t: int, tall: bool, restore_pdl) ->
             out[on] = T.gpu_matmul(t, raw, ne0, ne1, x, tall=tall, staged=False)
         assert np.isfinite(out[True]).all()
         assert np.array_equal(bits(out[False]), bits(out[True])), f"{ncols} columns"
+
+
+@pytest.mark.parametrize("t", [F16, BF16, F32], ids=["F16", "BF16", "F32"])
+def test_few_row_matrices_keep_width_exactness(t: int) -> None:
+    """The mHC projection's shape (24 rows of 16384: one row a warp, 24 blocks) and the output head's
+    (4 rows): every width equals single columns bit for bit, and the CPU within 2e-3 of sum |w x|."""
+    rng = np.random.default_rng(5)
+    for ne0, ne1 in ((16384, 24), (16384, 4)):
+        raw = tame_raw(t, ne0 * ne1, rng)
+        x = rng.standard_normal((16, ne0)).astype(np.float32)
+        single = np.concatenate([T.gpu_matmul(t, raw, ne0, ne1, x[c : c + 1]) for c in range(16)])
+        for width in (2, 5, 8, 16):
+            y = T.gpu_matmul(t, raw, ne0, ne1, x[:width])
+            assert np.array_equal(bits(y), bits(single[:width])), (ne1, width)
+        cpu = T.matmul(t, raw, ne0, ne1, x, 2)
+        w = T.dequantize(t, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)
+        bound = 2e-3 * (np.abs(x.astype(np.float64)) @ np.abs(w).T)
+        assert (np.abs(single.astype(np.float64) - cpu) <= bound).all()
 
 
 @pytest.mark.parametrize("switch", sorted(SWITCHES))
