@@ -451,31 +451,33 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
       return;
     }
   }
-  // Unit by unit; F16/BF16 units (16 bytes) two passes at a time, so twice the loads are in
-  // flight (the same order of work).
-  constexpr bool kTwo = T == kF16 || T == kBF16;
+  // Unit by unit, A passes at a time: all A passes' loads are issued before the first is applied,
+  // so A units a row are in flight; they are applied in increasing order, as one pass at a time
+  // would (the same order of work, so the same bits). F16/BF16 units (16 bytes) take 2; with one
+  // row a warp (the short variant: few rows, long K, so a lane walks many units of one row)
+  // F16/BF16 take 8 (F32, twice the bytes a unit: 4), fewer as the columns' accumulators take
+  // the registers (ptxas: no spills up to 8 columns).
+  constexpr int kShortAhead = (T == kF32 ? 4 : 8) / (NC <= 2 ? 1 : NC <= 8 ? 2 : 4);
+  constexpr int A = (R == 1 && (T == kF16 || T == kBF16 || T == kF32)) ? (kShortAhead > 1 ? kShortAhead : 1)
+                    : (T == kF16 || T == kBF16) ? 2 : 1;
   ds4_grid_begin();
   for (int64_t b = b0; b < b_end; b += b_step) {
     zero();
     const uint8_t* rowp[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) rowp[r] = row_of(b, r);
-    for (int64_t u = static_cast<int64_t>(slice) * DS4_WARP + lane; u < units; u += (kTwo ? 2 : 1) * stride) {
-      typename U::Raw raw[R];
+    for (int64_t u = static_cast<int64_t>(slice) * DS4_WARP + lane; u < units; u += A * stride) {
+      typename U::Raw raw[A][R];
 #pragma unroll
-      for (int r = 0; r < R; ++r) U::load(raw[r], rowp[r], u);
-      if constexpr (kTwo) {
-        const bool two = u + stride < units;
-        typename U::Raw raw2[R];
-        if (two) {
+      for (int a = 0; a < A; ++a) {
+        if (a == 0 || u + a * stride < units) {
 #pragma unroll
-          for (int r = 0; r < R; ++r) U::load(raw2[r], rowp[r], u + stride);
+          for (int r = 0; r < R; ++r) U::load(raw[a][r], rowp[r], u + a * stride);
         }
-        apply(raw, u);
-        if (two) apply(raw2, u + stride);
-      } else {
-        apply(raw, u);
       }
+#pragma unroll
+      for (int a = 0; a < A; ++a)
+        if (a == 0 || u + a * stride < units) apply(raw[a], u + a * stride);
     }
     finish(b);
   }

@@ -118,12 +118,15 @@ int mma_kslices(const TensorView& W);
 //           pairs an expert on average), else 1. Needs the streaming stages (stream != 0)
 //   Env: DS4_GPU_MMA_STREAM=0|1|2|4|8, DS4_GPU_MMA_STREAM_BLOCKS=0..3, DS4_GPU_MMA_STREAM_COLS=0|1|2|4|8,
 //   DS4_GPU_MMA_GROUP_TILES=0|1|2. Same bits under every value.
+// stream defaults to 0 (phase 1's stages): measured on the H200 (README "Pass 9: outcome"), the
+// streaming stages made flash-l4 decode with the tensor cores 4-8% faster but prefill 8-9% slower,
+// and prefill is what the tensor-core path is for.
 struct MmaConfig {
   int slices = 0;
   bool wide = true;
   int wide_nt = 4;
   bool fold_inline = false;
-  int stream = 1;
+  int stream = 0;
   int stream_blocks = 0;
   int stream_cols = 0;
   int group_tiles = 0;
