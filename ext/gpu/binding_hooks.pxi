@@ -18,6 +18,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
         const int32_t* x_row, int n_pairs, int max_part, float* Y, int64_t ldy, int max_cols) except +
     void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
     void gpu_set_matvec_persistent "ds4::gpu::testing::set_matvec_persistent"(cbool on) except +
+    void gpu_set_matvec_tall_stages "ds4::gpu::testing::set_matvec_tall_stages"(int stages) except +
     void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
@@ -254,6 +255,12 @@ def _t_gpu_set_matvec_persistent(on):
     gpu_set_matvec_persistent(bool(on))
 
 
+def _t_gpu_set_matvec_tall_stages(int stages):
+    """The tall matvec variant's chunk stages for Q8_0 products of up to 4 columns: 1 (default) or 2,
+    process-wide (the bits never change; DS4_GPU_MV_TALL_STAGES=2 is the environment's way)."""
+    gpu_set_matvec_tall_stages(stages)
+
+
 def _t_gpu_set_matvec_grouped(int variant):
     """Which grouped kernel Q4_K expert products take, process-wide: 0 pass 5, 1 the own body,
     2 the own body with the one-fma decode (ext/gpu/matvec.cuh; the bits never change)."""
@@ -369,6 +376,7 @@ _GPU_TESTING = dict(
     gpu_matmul_grouped=_t_gpu_matmul_grouped,
     gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
     gpu_set_matvec_persistent=_t_gpu_set_matvec_persistent,
+    gpu_set_matvec_tall_stages=_t_gpu_set_matvec_tall_stages,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,

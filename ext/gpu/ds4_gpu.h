@@ -90,6 +90,10 @@ void set_matvec_chunked(bool on);
 // The direct kernel's persistent grid (matvec.cu; on by default, DS4_GPU_MV_PERSIST=0 turns it off):
 // at most the blocks the device holds at once, each walking several row blocks. Same bits.
 void set_matvec_persistent(bool on);
+// The tall variant's chunk stages for Q8_0 products of up to 4 columns (matvec.cuh kDenseTall2):
+// 1 (default, one stage in static shared memory) or 2 (two stages in dynamic shared memory;
+// DS4_GPU_MV_TALL_STAGES=2). Same bits.
+void set_matvec_tall_stages(int stages);
 // The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and
 // width, matvec.cuh) as one number: a CUDA graph bakes in the kernels chosen at its capture, so
 // the engine keys its graphs by it.
@@ -135,6 +139,7 @@ void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols,
 // binding.
 void set_matvec_chunked(bool on);
 void set_matvec_persistent(bool on);
+void set_matvec_tall_stages(int stages);
 void set_matvec_grouped(int variant);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
@@ -166,6 +171,7 @@ inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, co
 }
 inline void set_matvec_chunked(bool) { no_backend(); }
 inline void set_matvec_persistent(bool) { no_backend(); }
+inline void set_matvec_tall_stages(int) { no_backend(); }
 inline void set_matvec_grouped(int) { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }

@@ -152,6 +152,23 @@ bool use_chunks(const TensorView& W, int64_t units) {
 // them would only add compile time).
 template <int T>
 constexpr bool kTallType = T == kQ8_0 || T == kF16 || T == kBF16;
+// The tall variant with two chunk stages (kDenseTall2): chunked types, up to 4 columns (8 rows a
+// warp); DS4_GPU_MV_TALL_STAGES=2 or set_matvec_tall_stages(2) selects it (default 1).
+template <int T>
+constexpr bool kTall2Type = T == kQ8_0;
+constexpr int kTall2MaxCols = 4;
+std::atomic<int> g_tall_stages{-1};  // -1: not read from the environment yet
+
+int tall_stages_now() {
+  int v = g_tall_stages.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_MV_TALL_STAGES");
+    v = (e != nullptr && std::string(e) == "2") ? 2 : 1;
+    g_tall_stages.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
 // Types the short variant is built for: the few-row matrices of DS4 GGUFs (the mHC projections,
 // the router, the output mHC head) are F16, BF16 or F32.
 template <int T>
@@ -193,7 +210,8 @@ template <int T, int NC, int SHAPE>
 int64_t dense_resident_blocks() {
   static const int64_t n = [] {
     int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE>, kMatvecThreads, 0) !=
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE>, kMatvecThreads,
+                                                      dense_dynamic_smem<T, NC, SHAPE>()) !=
         cudaSuccess) {
       (void)cudaGetLastError();
       return int64_t{0};
@@ -220,11 +238,20 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
   const int ks = matvec_kslices(rows, units);
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
   // One shape's launch: br rows a block, then the (persistent) grid.
-  auto run = [&](auto kernel, int64_t br, int64_t resident) {
+  auto run = [&](auto kernel, int64_t br, int64_t resident, size_t smem = 0) {
     const int64_t n_blocks = dense_grid((rows + br - 1) / br, resident, n_batch);
     const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
-    launch(kernel, grid, kMatvecThreads, 0, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy, chunks, batch);
+    launch(kernel, grid, kMatvecThreads, smem, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy, chunks,
+           batch);
   };
+  if constexpr (kTall2Type<T> && NC <= kTall2MaxCols) {
+    if (tall && rows >= kTallRows && chunks && tall_stages_now() == 2) {
+      matvec_prepare();  // the dynamic shared memory limit (the engine prepared before any capture)
+      run(matvec_dense_kernel<T, NC, kDenseTall2>, 2 * matvec_block_rows(NC, ks),
+          dense_resident_blocks<T, NC, kDenseTall2>(), dense_dynamic_smem<T, NC, kDenseTall2>());
+      return;
+    }
+  }
   if constexpr (kTallType<T>) {
     if (tall && rows >= kTallRows) {
       run(matvec_dense_kernel<T, NC, kDenseTall>, 2 * matvec_block_rows(NC, ks),
@@ -623,8 +650,28 @@ __global__ void __launch_bounds__(kPartsThreads)
 
 }  // namespace
 
+template <int NC>
+void prepare_tall2_one() {
+  // Above 48 KB of dynamic shared memory a kernel must ask first; failing that, the launch fails
+  // with the usual one-line error.
+  (void)cudaFuncSetAttribute(matvec_dense_kernel<kQ8_0, NC, kDenseTall2>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             dense_dynamic_smem<kQ8_0, NC, kDenseTall2>());
+  (void)cudaGetLastError();
+}
+
 void matvec_prepare() {
-  std::call_once(g_staged_once, prepare_staged);
+  std::call_once(g_staged_once, [] {
+    prepare_staged();
+    prepare_tall2_one<1>();
+    prepare_tall2_one<2>();
+    prepare_tall2_one<3>();
+    prepare_tall2_one<4>();
+  });
+}
+
+void set_matvec_tall_stages(int stages) {
+  if (stages != 1 && stages != 2) throw std::invalid_argument("set_matvec_tall_stages: stages must be 1 or 2");
+  g_tall_stages.store(stages, std::memory_order_relaxed);
 }
 
 void set_matvec_mma(bool on) { g_mma.store(on ? 1 : 0, std::memory_order_relaxed); }
@@ -794,10 +841,11 @@ int matvec_settings_key() {
   // but a different speed, so an A/B under graphs measures what it names): 12-13 slices, 14 wide,
   // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch);
   // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits); 18 the direct
-  // kernel's persistent grid; 19-28 the tensor cores' stage shapes (below).
+  // kernel's persistent grid; 19-28 the tensor cores' stage shapes (below); 29 the tall kernel's two
+  // chunk stages.
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
             grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17 |
-            (persistent_on() ? 1 : 0) << 18;
+            (persistent_on() ? 1 : 0) << 18 | (tall_stages_now() == 2 ? 1 : 0) << 29;
   if (mma_on()) {
     // Phase 5's stage shapes (MMA.md): stream and stream_cols take 0, 1, 2, 4 or 8 (3 bits as
     // their log2 + 1), stream_blocks 0..3, group_tiles 0..2.

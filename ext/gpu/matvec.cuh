@@ -517,9 +517,19 @@ constexpr int matvec_min_blocks(int nc) { return nc <= 4 ? 4 : 3; }
 // rows a warp, kDenseTall twice that (the tall variant above), kDenseShort one row a warp, for
 // matrices of so few rows that the usual shape leaves most SMs idle (the mHC projections [16384 ->
 // 24] got 6 blocks; one row a warp gives them 24). R never changes a result.
-constexpr int kDenseRows = 0, kDenseTall = 1, kDenseShort = 2;
+// kDenseTall2 is kDenseTall with two chunk stages (the next chunk in flight while the lanes work on
+// this one) in dynamic shared memory, where kDenseTall's 8 rows a warp leave room for one stage in
+// the 40 KB static buffer (set_matvec_tall_stages / DS4_GPU_MV_TALL_STAGES=2; chunked types only).
+constexpr int kDenseRows = 0, kDenseTall = 1, kDenseShort = 2, kDenseTall2 = 3;
 __host__ __device__ constexpr int dense_rows_per_warp(int nc, int shape) {
-  return shape == kDenseTall ? 2 * rows_per_warp(nc) : shape == kDenseShort ? 1 : rows_per_warp(nc);
+  return (shape == kDenseTall || shape == kDenseTall2) ? 2 * rows_per_warp(nc)
+         : shape == kDenseShort                        ? 1
+                                                       : rows_per_warp(nc);
+}
+// Dynamic shared memory (bytes) the direct kernel <T, NC, SHAPE> takes: kDenseTall2's two stages.
+template <int T, int NC, int SHAPE>
+constexpr int dense_dynamic_smem() {
+  return SHAPE == kDenseTall2 ? chunk_buffer_bytes<T>(dense_rows_per_warp(NC, SHAPE), kMatvecWarps, 2) : 0;
 }
 
 template <int T, int NC, int SHAPE>
@@ -531,9 +541,16 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
   X += blockIdx.y * batch.x;
   Y += blockIdx.y * batch.y;
   constexpr int R = dense_rows_per_warp(NC, SHAPE);
-  constexpr int S = chunk_stages<T>(R, kMatvecWarps);
+  constexpr int S = SHAPE == kDenseTall2 ? 2 : chunk_stages<T>(R, kMatvecWarps);
   __shared__ float part[kMatvecWarps * R * NC];
-  __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];
+  uint8_t* wbuf;
+  if constexpr (SHAPE == kDenseTall2) {
+    extern __shared__ __align__(16) uint8_t dense_dyn[];
+    wbuf = dense_dyn;
+  } else {
+    __shared__ __align__(16) uint8_t dense_static[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];
+    wbuf = dense_static;
+  }
   const int64_t br = static_cast<int64_t>(R) * (kMatvecWarps / ks);
   matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
                              GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);

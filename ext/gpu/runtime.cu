@@ -160,6 +160,8 @@ void set_matvec_chunked(bool on) { ds4::gpu::set_matvec_chunked(on); }
 
 void set_matvec_persistent(bool on) { ds4::gpu::set_matvec_persistent(on); }
 
+void set_matvec_tall_stages(int stages) { ds4::gpu::set_matvec_tall_stages(stages); }
+
 void set_matvec_grouped(int variant) { ds4::gpu::set_matvec_grouped(variant); }
 
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps) {

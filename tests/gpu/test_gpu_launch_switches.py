@@ -9,6 +9,7 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
   predecessor.
 - ``gpu_set_matvec_persistent(on)``: the direct matvec kernel's persistent grid (matvec.cu;
   DS4_GPU_MV_PERSIST=0): each block walks several row blocks.
+- ``gpu_set_matvec_tall_stages(1 or 2)``: the tall variant's chunk stages (DS4_GPU_MV_TALL_STAGES=2).
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
@@ -44,6 +45,7 @@ def restore_pdl():
     yield
     T.gpu_set_pdl(True)
     T.gpu_set_matvec_persistent(True)
+    T.gpu_set_matvec_tall_stages(1)
     T.gpu_set_matvec_mma(False)
 
 
@@ -52,7 +54,12 @@ def set_persistent(on: bool) -> bool:
     return True
 
 
-SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent}
+def set_tall_stages(on: bool) -> bool:
+    T.gpu_set_matvec_tall_stages(2 if on else 1)
+    return True
+
+
+SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages}
 
 
 def cases(mf) -> list[list[Seq]]:
@@ -90,6 +97,24 @@ def test_persistent_grid_gives_the_same_bits(t: int, tall: bool, restore_pdl) ->
             out[on] = T.gpu_matmul(t, raw, ne0, ne1, x, tall=tall, staged=False)
         assert np.isfinite(out[True]).all()
         assert np.array_equal(bits(out[False]), bits(out[True])), f"{ncols} columns"
+
+
+def test_tall_two_stages_give_the_same_bits(restore_pdl) -> None:
+    """Q8_0 [4096 -> 20011] (tall: 8 rows a warp) at 1-4 columns (the two-stage shape) and 5 and 16
+    (the usual one): the same bits with one and two chunk stages, and equal to single columns."""
+    rng = np.random.default_rng(13)
+    ne0, ne1 = 4096, 20011
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    out = {}
+    for stages in (1, 2):
+        T.gpu_set_matvec_tall_stages(stages)
+        out[stages] = [T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:n], tall=True, staged=False) for n in (1, 2, 3, 4, 5, 16)]
+    for a, b in zip(out[1], out[2]):
+        assert np.isfinite(b).all()
+        assert np.array_equal(bits(a), bits(b))
+    for n, y in zip((1, 2, 3, 4, 5, 16), out[2]):
+        assert np.array_equal(bits(y), bits(out[2][-1][:n]))
 
 
 @pytest.mark.parametrize("t", [F16, BF16, F32], ids=["F16", "BF16", "F32"])
