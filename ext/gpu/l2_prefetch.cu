@@ -32,6 +32,7 @@
 // CUDA compute capability 9.0+ only (the instruction is sm_90's). Under HIP, and on older devices,
 // l2_prefetch_supported() is false and l2_prefetch launches nothing; the kernel body is empty there.
 #include "l2_prefetch.h"
+#include "launch.cuh"
 
 #include <algorithm>
 
@@ -86,22 +87,7 @@ int sm_count() {
 
 }  // namespace
 
-bool l2_prefetch_supported() {
-#if defined(DS4_CUDA)
-  static const bool ok = [] {
-    int dev = 0, major = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return false;
-    }
-    return major >= 9;
-  }();
-  return ok;
-#else
-  return false;
-#endif
-}
+bool l2_prefetch_supported() { return cuda_sm90(); }
 
 uint64_t l2_cache_bytes() {
 #if defined(DS4_CUDA)

@@ -25,6 +25,9 @@ namespace ds4::gpu {
 // launch; bit 17 of matvec_settings_key, so the engine's graphs of each setting are apart.
 bool pdl_on();
 void set_pdl(bool on);
+// Whether the current device is a CUDA device of compute capability 9.0+ (the Hopper features:
+// programmatic dependent launch, the bulk L2 prefetch). Asked once; false under HIP.
+bool cuda_sm90();
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {

@@ -798,13 +798,7 @@ void set_matvec_grouped(int variant, int stages, int width) {
   if (width != 0) g_grouped_width.store(width, std::memory_order_relaxed);
 }
 
-namespace {
-
-// Programmatic dependent launch (launch.cuh): on where the device has it (compute capability 9.0+,
-// CUDA), unless DS4_GPU_PDL=0 or set_pdl(false). -1: not decided yet.
-std::atomic<int> g_pdl{-1};
-
-bool pdl_supported() {
+bool cuda_sm90() {
 #if defined(DS4_CUDA)
   static const bool ok = [] {
     int dev = 0, major = 0;
@@ -821,19 +815,25 @@ bool pdl_supported() {
 #endif
 }
 
+namespace {
+
+// Programmatic dependent launch (launch.cuh): on where the device has it (cuda_sm90), unless
+// DS4_GPU_PDL=0 or set_pdl(false). -1: not decided yet.
+std::atomic<int> g_pdl{-1};
+
 }  // namespace
 
 bool pdl_on() {
   int v = g_pdl.load(std::memory_order_relaxed);
   if (v < 0) {
     const char* e = std::getenv("DS4_GPU_PDL");
-    v = (e != nullptr && std::string(e) == "0") ? 0 : (pdl_supported() ? 1 : 0);
+    v = (e != nullptr && std::string(e) == "0") ? 0 : (cuda_sm90() ? 1 : 0);
     g_pdl.store(v, std::memory_order_relaxed);
   }
   return v == 1;
 }
 
-void set_pdl(bool on) { g_pdl.store(on && pdl_supported() ? 1 : 0, std::memory_order_relaxed); }
+void set_pdl(bool on) { g_pdl.store(on && cuda_sm90() ? 1 : 0, std::memory_order_relaxed); }
 
 int matvec_settings_key() {
   // bits 0 chunked, 1-2 variant, 3-5 stages (2..4), 6-9 width (4 or 8), 10 fusion (matvec_fused.h),

@@ -20,12 +20,11 @@ from its first byte, never past its end, at most the cap in all.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 
-from tests.engine_cases import MAX_CTX, PAGES_PER_SEQ, Seq, prompt, run, tensor_entries
+from tests.engine_cases import PAGES_PER_SEQ, Seq, prompt, run
+from tests.gpu.test_gpu_fused import bits, gpu_engine, tiny_model_file  # noqa: F401 (fixture)
 
 native = pytest.importorskip("ds4_app.engine._native")
 pytestmark = pytest.mark.gpu
@@ -38,29 +37,6 @@ ATTN_PROLOGUE = ("hc_attn_fn", "attn_q_a", "attn_kv", "attn_compressor_kv", "att
 ATTN = ("attn_output_a", "attn_output_b")
 FFN_PROLOGUE = ("hc_ffn_fn", "ffn_gate_inp", "ffn_gate_shexp", "ffn_up_shexp", "ffn_down_shexp")
 HEAD = ("output_hc_fn.weight", "output.weight")
-
-
-def bits(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a, dtype=np.float32).view(np.uint32)
-
-
-@pytest.fixture(scope="module")
-def tiny_model_file(tmp_path_factory):
-    from ds4_app.engine.gguf_file import ModelFile
-    from ds4_app.engine.presets import tiny
-    from ds4_app.engine.synth import synthesize
-
-    path = Path(tmp_path_factory.mktemp("gpu_prefetch")) / "tiny-9.gguf"
-    synthesize(tiny(), path, seed=9)
-    return ModelFile.open(path)
-
-
-def gpu_engine(mf, *, max_slots: int = 6, max_rows: int = 16):
-    from ds4_app.engine.memory import plan_memory
-
-    n_pages = plan_memory(mf.config, max_slots=max_slots, max_ctx=MAX_CTX).n_pages
-    return native.GpuEngine(mf.config, str(mf.path), tensor_entries(mf), max_slots=max_slots, max_ctx=MAX_CTX,
-                            n_pages=n_pages, max_rows=max_rows)
 
 
 def supported(mf) -> bool:
@@ -79,7 +55,7 @@ def no_prefetch_env(monkeypatch):
 
 # --- the switch -----------------------------------------------------------------------------------
 
-def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env) -> None:
+def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env) -> None:  # noqa: F811
     """Default off (measured slower on the H200); DS4_GPU_L2_PREFETCH=0/1 at construction; the setter
     turns it on (only where supported) and off again; the window cap is half the L2 unless
     DS4_GPU_L2_PREFETCH_BYTES names one, and a malformed value is refused."""
@@ -110,7 +86,7 @@ def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env)
 
 @pytest.mark.parametrize("cap", [None, SMALL_CAP], ids=["half-l2", "small-cap"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefetch_env, graphs: bool,
+def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefetch_env, graphs: bool,  # noqa: F811
                                                       cap: int | None) -> None:
     """20 decode steps at one lane and 20 at three lanes (three slots, one starting a step late): the
     logits with the prefetch on equal those with it off, bit for bit; under graphs turning the switch
@@ -197,7 +173,7 @@ def grouped(log) -> list[tuple[int, int, list[tuple[int, int]]]]:
 
 @pytest.mark.parametrize("cap", [None, SMALL_CAP], ids=["half-l2", "small-cap"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_windows_name_the_next_weights_within_the_cap(tiny_model_file, no_prefetch_env, graphs: bool,
+def test_windows_name_the_next_weights_within_the_cap(tiny_model_file, no_prefetch_env, graphs: bool,  # noqa: F811
                                                       cap: int | None) -> None:
     """A step's log, eager and at a graph capture: the windows in launch order (each layer's
     attention prologue, attention, FFN prologue; the head when a lane wants logits), each naming its

@@ -226,61 +226,56 @@ class Runs:
             set_variant(self.runner, "", self.l2_default)
 
 
-def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
-    """Each mode's logits from the same prompts against the reference mode, bit for bit."""
+def fixed_logits(runner: Runner, mf: ModelFile) -> np.ndarray:
+    """The exactness checks' logits: 4 slots prefilled with the same 150 tokens 32 rows a step, then
+    6 steps of fixed tokens at C = 4; the slots are reset first."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
     feed = rng.integers(0, mf.config.n_vocab, (6, 4))
+    out = []
+    for s in range(4):
+        runner.reset_slot(s)
+        out.append(prefill(runner, s, prompts[s], 32))
+    for k in range(6):
+        lanes = [(s, int(feed[k, s]), 150 + k, True) for s in range(4)]
+        out.append(runner.step(StepPlan.build(lanes, {s: table(s) for s in range(4)}, BLOCKS)))
+    return np.concatenate(out)
+
+
+def compare_logits(runner: Runner, mf: ModelFile, settings: list, apply, label: str) -> list[dict]:
+    """fixed_logits under each setting (apply(setting) -> its name), against the first one's bit for
+    bit; the slots are reset after."""
     results, base = [], None
-    for mode in MODES:
-        set_mode(runner, *mode)
-        out = []
-        for s in range(4):
-            runner.reset_slot(s)
-            out.append(prefill(runner, s, prompts[s], 32))
-        for k in range(6):
-            lanes = [(s, int(feed[k, s]), 150 + k, True) for s in range(4)]
-            out.append(runner.step(StepPlan.build(lanes, {s: table(s) for s in range(4)}, BLOCKS)))
-        got = np.concatenate(out)
-        if base is None:
-            base = got
-        row = {"mode": mode_name(*mode),
-               "bit_identical": bool(np.array_equal(got.view(np.uint32), base.view(np.uint32))),
+    for setting in settings:
+        name = apply(setting)
+        got = fixed_logits(runner, mf)
+        base = got if base is None else base
+        row = {label: name, "bit_identical": bool(np.array_equal(got.view(np.uint32), base.view(np.uint32))),
                "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
         results.append(row)
-        print(f"exactness {row['mode']}: bit-identical {row['bit_identical']}, "
+        print(f"exactness {name}: bit-identical to the first {row['bit_identical']}, "
               f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
-    set_mode(runner, *REFERENCE)
     for s in range(4):
         runner.reset_slot(s)
     return results
 
 
+def exactness(runner: Runner, mf: ModelFile) -> list[dict]:
+    """Each mode's logits from the same prompts against the reference mode, bit for bit."""
+
+    def apply(mode) -> str:
+        set_mode(runner, *mode)
+        return mode_name(*mode)
+
+    results = compare_logits(runner, mf, MODES, apply, "mode")
+    set_mode(runner, *REFERENCE)
+    return results
+
+
 def variant_exactness(runner: Runner, mf: ModelFile, runs: Runs) -> list[dict]:
-    """exactness()'s prompts under each variant (default mode), against the first variant bit for bit."""
-    rng = np.random.default_rng(7)
-    prompts = [rng.integers(0, mf.config.n_vocab, 150) for _ in range(4)]
-    feed = rng.integers(0, mf.config.n_vocab, (6, 4))
-    results, base = [], None
-    for item in runs.items:
-        name = runs.set(item)
-        out = []
-        for s in range(4):
-            runner.reset_slot(s)
-            out.append(prefill(runner, s, prompts[s], 32))
-        for k in range(6):
-            lanes = [(s, int(feed[k, s]), 150 + k, True) for s in range(4)]
-            out.append(runner.step(StepPlan.build(lanes, {s: table(s) for s in range(4)}, BLOCKS)))
-        got = np.concatenate(out)
-        base = got if base is None else base
-        row = {"variant": name, "bit_identical": bool(np.array_equal(got.view(np.uint32), base.view(np.uint32))),
-               "max_abs_diff": float(np.abs(got.astype(np.float64) - base).max()), "finite": bool(np.isfinite(got).all())}
-        results.append(row)
-        print(f"exactness {name}: bit-identical to the first {row['bit_identical']}, "
-              f"max |diff| {row['max_abs_diff']:.3g}, finite {row['finite']}", flush=True)
+    """The same logits under each variant (default mode), against the first variant bit for bit."""
+    results = compare_logits(runner, mf, runs.items, runs.set, "variant")
     runs.reset()
-    for s in range(4):
-        runner.reset_slot(s)
     return results
 
 
