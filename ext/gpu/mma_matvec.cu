@@ -428,6 +428,26 @@ struct MmaArgs {
 
 // --- the block body ------------------------------------------------------------------------------
 
+// The inline fold of a tile's K-slice partials (phase 3; the kernels' FOLD tail): mma_fold_kernel's
+// loop, y = p_0, then y = y + p_s in slice order. Output o = column n (o / BR) x row (o % BR):
+// consecutive threads read consecutive rows of a partial and write consecutive rows of Y; has(n):
+// whether slot n holds a column; cols: the tile's Cols or StreamCols (offsets p and y). __ldcg: the partials were written during this launch (by other
+// SMs), so they are read from L2, never from a non-coherent cache.
+template <int NP, int BR, class ColsT, class Has>
+__device__ __forceinline__ void fold_tile(const MmaArgs& a, const ColsT& cols, int row0, int tid, Has has) {
+  cluster_barrier();
+  const int64_t stride = a.pcols * a.rows;
+  const int zc = static_cast<int>(gridDim.z);
+  for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
+    const int n = o / BR, row = row0 + o % BR;
+    if (!has(n) || row >= a.rows) continue;
+    const float* q = a.part + cols.p[n] * a.rows + row;
+    float v = __ldcg(q);
+    for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
+    a.Y[cols.y[n] + row] = v;
+  }
+}
+
 // Chunks (stages of 128 k) [i0, i1) of rows row0 .. row0 + BR of Wm, the columns in `cols`; a
 // slice is spc chunks. PARTIALS: at the end of each slice s its sums go to partial s (ks > 1) or
 // to Y (ks == 1). Else [i0, i1) is all of K, the slices are folded in registers and then stored.
@@ -701,23 +721,7 @@ __device__ __forceinline__ void mma_body(const MmaArgs& a, const uint8_t* __rest
   }
   ds4_cp_async_wait<0>();
   if constexpr (!PARTIALS) store(run, 0);
-  if constexpr (PARTIALS && FOLD) {
-    // mma_fold_kernel's loop for the tile's outputs: y = p_0, then y = y + p_s in slice order.
-    // Output o = column n (o / BR) x row (o % BR): consecutive threads read consecutive rows of a
-    // partial and write consecutive rows of Y. __ldcg: the partials were written during this
-    // launch (by other SMs), so they are read from L2, never from a non-coherent cache.
-    cluster_barrier();
-    const int64_t stride = a.pcols * a.rows;
-    const int zc = static_cast<int>(gridDim.z);
-    for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
-      const int n = o / BR, row = row0 + o % BR;
-      if (n >= cols.n || row >= a.rows) continue;
-      const float* q = a.part + cols.p[n] * a.rows + row;
-      float v = __ldcg(q);
-      for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
-      a.Y[cols.y[n] + row] = v;
-    }
-  }
+  if constexpr (PARTIALS && FOLD) fold_tile<NP, BR>(a, cols, row0, tid, [&](int n) { return n < cols.n; });
 }
 
 // Dense: block (pass x, row block y, slice z). Grouped: block (row block x, part y, slice z).
@@ -1035,20 +1039,8 @@ __device__ __forceinline__ void stream_body(const MmaArgs& a, const uint8_t* __r
   }
   ds4_cp_async_wait<0>();
   if constexpr (!PARTIALS) store(run, 0);
-  if constexpr (PARTIALS && FOLD) {
-    // mma_body's FOLD tail (BR = 64; slots without a column skipped).
-    cluster_barrier();
-    const int64_t stride = a.pcols * a.rows;
-    const int zc = static_cast<int>(gridDim.z);
-    for (int o = static_cast<int>(blockIdx.z) * kThreads + tid; o < NP * BR; o += zc * kThreads) {
-      const int n = o / BR, row = row0 + o % BR;
-      if (!((mask >> n) & 1u) || row >= a.rows) continue;
-      const float* q = a.part + cols.p[n] * a.rows + row;
-      float v = __ldcg(q);
-      for (int sl = 1; sl < a.ks; ++sl) v = v + __ldcg(q + sl * stride);
-      a.Y[cols.y[n] + row] = v;
-    }
-  }
+  if constexpr (PARTIALS && FOLD)  // slots without a column skipped
+    fold_tile<NP, BR>(a, cols, row0, tid, [&](int n) { return ((mask >> n) & 1u) != 0; });
 }
 
 // Blocks an SM the streaming kernel's registers must allow.
