@@ -30,7 +30,7 @@ def make_service(model, **kw):
     from ds4_app.engine.tokenizer import Tokenizer
 
     opts = dict(max_slots=6, max_ctx=1024)
-    opts.update({k: kw.pop(k) for k in list(kw) if k in ("max_slots", "max_ctx", "kv_pool_tokens")})
+    opts.update({k: kw.pop(k) for k in list(kw) if k in ("max_slots", "max_ctx", "kv_pool_tokens", "max_rows")})
     runner = Runner(model, backend=kw.pop("backend", "cpu"), **opts)
     return EngineService(runner, Tokenizer.from_metadata(model.tokenizer_metadata), **kw)
 
@@ -194,7 +194,9 @@ def wait_until(pred, timeout=30.0):
 
 @pytest.mark.parametrize("phase", ["prefill", "decode"])
 def test_cancel_frees_slot_and_pages(tiny_model, phase):
-    with make_service(tiny_model, max_slots=2) as svc:
+    # One row a step, so the prompt's prefill spans a few hundred steps: on a fast engine a
+    # 16-row-a-step prefill of this prompt can end between two polls of the lane states.
+    with make_service(tiny_model, max_slots=2, max_rows=1 if phase == "prefill" else 16) as svc:
         prompt = "long " * 200 if phase == "prefill" else "hi"
         stream = svc.submit(chat(prompt, max_tokens=500))
         assert wait_until(lambda: any(lane.state == phase for lane in svc.stats().lanes))
