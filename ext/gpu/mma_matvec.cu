@@ -226,8 +226,9 @@ DS4_HD void q4k_nibbles(uint2 q, Row8& r) {
 }
 
 // F16 / BF16: a stage = 128 elements = 16 vectors; thread t's elements of block E are vector 4E + t.
-template <>
-struct MmaW<DType::F16> {
+// The two differ only in how a 16-bit pattern becomes a float (Halves: lo / hi half of a word).
+template <class Halves>
+struct MmaW16 {
   static constexpr int kVec = 16, kStride = 256;
   DS4_HD static int64_t src(int64_t i, int v) { return 256 * i + 16 * v; }
   DS4_HD static int dst(int v, int row) { return v ^ ((row & 1) << 2); }
@@ -236,27 +237,27 @@ struct MmaW<DType::F16> {
     const uint4 q = *reinterpret_cast<const uint4*>(rs + 16 * dst(4 * E + t, row));
     const uint32_t w[4] = {q.x, q.y, q.z, q.w};
     for (int i = 0; i < 4; ++i) {
-      r.v[2 * i] = half_bits_to_float(w[i] & 0xffffu);
-      r.v[2 * i + 1] = half_bits_to_float(w[i] >> 16);
+      r.v[2 * i] = Halves::lo(w[i]);
+      r.v[2 * i + 1] = Halves::hi(w[i]);
     }
   }
 };
 
-template <>
-struct MmaW<DType::BF16> {
-  static constexpr int kVec = 16, kStride = 256;
-  DS4_HD static int64_t src(int64_t i, int v) { return 256 * i + 16 * v; }
-  DS4_HD static int dst(int v, int row) { return v ^ ((row & 1) << 2); }
-  template <int E>
-  DS4_HD static void decode(const uint8_t* rs, int row, int t, Row8& r) {
-    const uint4 q = *reinterpret_cast<const uint4*>(rs + 16 * dst(4 * E + t, row));
-    const uint32_t w[4] = {q.x, q.y, q.z, q.w};
-    for (int i = 0; i < 4; ++i) {
-      r.v[2 * i] = ds4_bits_to_float(w[i] << 16);
-      r.v[2 * i + 1] = ds4_bits_to_float(w[i] & 0xffff0000u);
-    }
-  }
+struct F16Halves {
+  DS4_HD static float lo(uint32_t w) { return half_bits_to_float(w & 0xffffu); }
+  DS4_HD static float hi(uint32_t w) { return half_bits_to_float(w >> 16); }
 };
+
+struct BF16Halves {
+  DS4_HD static float lo(uint32_t w) { return ds4_bits_to_float(w << 16); }
+  DS4_HD static float hi(uint32_t w) { return ds4_bits_to_float(w & 0xffff0000u); }
+};
+
+template <>
+struct MmaW<DType::F16> : MmaW16<F16Halves> {};
+
+template <>
+struct MmaW<DType::BF16> : MmaW16<BF16Halves> {};
 
 // Q4_K k-block E (0..3) of a 128-k chunk, half h (0, 1) of its 256-k block: head = the block's 16-byte
 // head, qsh = the 64 qs bytes of that half. Pair E >> 1 of the chunk is chunk c = 2h + (E >> 1) of
