@@ -73,18 +73,6 @@ __global__ void __launch_bounds__(kL2PrefetchThreads) l2_prefetch_kernel(const L
 #endif
 }
 
-int sm_count() {
-  static const int n = [] {
-    int dev = 0, v = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&v, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 1;
-    }
-    return std::max(v, 1);
-  }();
-  return n;
-}
-
 }  // namespace
 
 bool l2_prefetch_supported() { return cuda_sm90(); }
@@ -124,7 +112,7 @@ uint64_t l2_prefetch(const L2Range* ranges, int n, Stream stream) {
   a.first[a.n] = pieces;
   a.pieces = pieces;
   if (pieces == 0) return 0;
-  const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(pieces, static_cast<uint64_t>(sm_count())));
+  const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(pieces, static_cast<uint64_t>(std::max(device_sms(), 1))));
   l2_prefetch_kernel<<<grid, kL2PrefetchThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);
   DS4_GPU_CHECK_LAUNCH("l2_prefetch");
   return asked;

@@ -13,6 +13,7 @@
 // changes), which tests/gpu/test_gpu_pdl.py checks bit for bit.
 #pragma once
 
+#include <atomic>
 #include <utility>
 
 #include "common.cuh"
@@ -28,6 +29,11 @@ void set_pdl(bool on);
 // Whether the current device is a CUDA device of compute capability 9.0+ (the Hopper features:
 // programmatic dependent launch, the bulk L2 prefetch). Asked once; false under HIP.
 bool cuda_sm90();
+// Multiprocessors of the current device (0 where the runtime cannot say). Asked once.
+int device_sms();
+// A process-wide launch switch read from the environment once into `state` (-1: not read yet):
+// on unless `name` is "0" or `allowed` is false; its setter stores 0 or 1 into `state`.
+bool env_switch(std::atomic<int>& state, const char* name, bool allowed = true);
 
 template <class... P, class... A>
 void launch(void (*kernel)(P...), dim3 grid, dim3 block, size_t smem, cudaStream_t stream, A&&... args) {

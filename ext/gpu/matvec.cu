@@ -28,6 +28,29 @@ namespace ds4::gpu {
 
 static_assert(sizeof(ExpertPart) == sizeof(ExpertPartDev), "ExpertPart and ExpertPartDev must share a layout");
 
+// Multiprocessors of the current device (0 where the runtime cannot say). Asked once.
+int device_sms() {
+  static const int n = [] {
+    int dev = 0, sms = 0;
+    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
+      (void)cudaGetLastError();
+      return 0;
+    }
+    return sms;
+  }();
+  return n;
+}
+
+bool env_switch(std::atomic<int>& state, const char* name, bool allowed) {
+  int v = state.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv(name);
+    v = (allowed && !(e != nullptr && std::string(e) == "0")) ? 1 : 0;
+    state.store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
 namespace {
 
 int64_t unit_elems(DType t) {
@@ -132,15 +155,7 @@ void with_module_scratch(size_t need, Stream stream, F&& run) {
 // give the same bits.
 std::atomic<int> g_chunked{-1};  // -1: not read from the environment yet
 
-bool chunked_on() {
-  int v = g_chunked.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_CHUNKED");
-    v = (e != nullptr && std::string(e) == "0") ? 0 : 1;
-    g_chunked.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool chunked_on() { return env_switch(g_chunked, "DS4_GPU_MV_CHUNKED"); }
 
 template <int T>
 bool use_chunks(const TensorView& W, int64_t units) {
@@ -181,28 +196,7 @@ constexpr bool kShortType = T == kF32 || T == kF16 || T == kBF16;
 // block never changes a result.
 std::atomic<int> g_persistent{-1};  // -1: not read from the environment yet
 
-bool persistent_on() {
-  int v = g_persistent.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_PERSIST");
-    v = (e != nullptr && std::string(e) == "0") ? 0 : 1;
-    g_persistent.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
-
-// Multiprocessors of the current device (0 where the runtime cannot say). Asked once.
-int device_sms() {
-  static const int n = [] {
-    int dev = 0, sms = 0;
-    if (cudaGetDevice(&dev) != cudaSuccess || cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev) != cudaSuccess) {
-      (void)cudaGetLastError();
-      return 0;
-    }
-    return sms;
-  }();
-  return n;
-}
+bool persistent_on() { return env_switch(g_persistent, "DS4_GPU_MV_PERSIST"); }
 
 // Blocks of the direct kernel <T, NC, SHAPE> the whole device holds at once (0 where the runtime
 // cannot say: the grid is then one block a row block). Asked once per instantiation.
@@ -823,15 +817,7 @@ std::atomic<int> g_pdl{-1};
 
 }  // namespace
 
-bool pdl_on() {
-  int v = g_pdl.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_PDL");
-    v = (e != nullptr && std::string(e) == "0") ? 0 : (cuda_sm90() ? 1 : 0);
-    g_pdl.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool pdl_on() { return env_switch(g_pdl, "DS4_GPU_PDL", cuda_sm90()); }
 
 void set_pdl(bool on) { g_pdl.store(on && cuda_sm90() ? 1 : 0, std::memory_order_relaxed); }
 

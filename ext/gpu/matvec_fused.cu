@@ -33,15 +33,7 @@ namespace {
 
 std::atomic<int> g_fuse{-1};  // -1: not read from the environment yet
 
-bool fuse_on() {
-  int v = g_fuse.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_FUSE");
-    v = (e != nullptr && std::string(e) == "0") ? 0 : 1;
-    g_fuse.store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
+bool fuse_on() { return env_switch(g_fuse, "DS4_GPU_MV_FUSE"); }
 
 int type_id(DType t) {
   switch (t) {

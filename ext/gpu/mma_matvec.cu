@@ -1241,6 +1241,26 @@ constexpr size_t smem_of() {
   return static_cast<size_t>(S) * Geo<T, MT, NT>::STAGE;
 }
 
+// Caps g_dev.max_cluster (a power of two) at the largest cluster a FOLD kernel can be co-scheduled
+// with at `smem` bytes of shared memory. Clusters of up to 16 (KS 16: q_a, kv) are "non-portable"
+// (sm_90 allows them; the portable limit is 8); a failed query keeps the portable 8.
+void cap_cluster(const void* fn, size_t smem) {
+  if (g_dev.max_cluster <= 1) return;
+  int cap = 8;
+  if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
+    cudaLaunchConfig_t lc = {};
+    lc.gridDim = dim3(1, 1, 16);
+    lc.blockDim = dim3(kThreads, 1, 1);
+    lc.dynamicSmemBytes = smem;
+    int most = 0;
+    if (cudaOccupancyMaxPotentialClusterSize(&most, fn, &lc) == cudaSuccess && most > 0) cap = most;
+  }
+  (void)cudaGetLastError();  // a refused attribute or query is not an error of a later launch
+  int pow2 = 1;  // slice groups are powers of two
+  while (pow2 * 2 <= std::min(cap, 16)) pow2 *= 2;
+  g_dev.max_cluster = std::min(g_dev.max_cluster, pow2);
+}
+
 template <DType T, int MT, int NT, int S, bool PARTIALS, bool GROUPED, bool PRESPLIT, bool FOLD = false>
 void set_attr() {
   const size_t smem = smem_of<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT, FOLD>();
@@ -1249,25 +1269,7 @@ void set_attr() {
                              std::to_string(g_dev.optin));
   const void* fn = reinterpret_cast<const void*>(&mma_kernel<T, MT, NT, S, PARTIALS, GROUPED, PRESPLIT, FOLD>);
   DS4_GPU_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
-  if constexpr (FOLD) {
-    if (g_dev.max_cluster <= 1) return;
-    // Clusters of up to 16 (KS 16: q_a, kv) are "non-portable" (sm_90 allows them; the portable
-    // limit is 8). The largest this kernel can be co-scheduled with, at its shared memory, caps
-    // g_dev.max_cluster; a failed query keeps the portable 8.
-    int cap = 8;
-    if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-      cudaLaunchConfig_t lc = {};
-      lc.gridDim = dim3(1, 1, 16);
-      lc.blockDim = dim3(kThreads, 1, 1);
-      lc.dynamicSmemBytes = smem;
-      int most = 0;
-      if (cudaOccupancyMaxPotentialClusterSize(&most, fn, &lc) == cudaSuccess && most > 0) cap = most;
-    }
-    (void)cudaGetLastError();  // a refused attribute or query is not an error of a later launch
-    int pow2 = 1;  // slice groups are powers of two
-    while (pow2 * 2 <= std::min(cap, 16)) pow2 *= 2;
-    g_dev.max_cluster = std::min(g_dev.max_cluster, pow2);
-  }
+  if constexpr (FOLD) cap_cluster(fn, smem);
 }
 
 // Shared memory a streaming block may take so that `blocks` of them fit an SM (the system's 1 KB a
@@ -1283,24 +1285,9 @@ template <DType T, int NT, bool PARTIALS, bool GROUPED, bool FOLD>
 void set_stream_attr() {
   const void* fn = reinterpret_cast<const void*>(&mma_stream_kernel<T, NT, PARTIALS, GROUPED, FOLD>);
   DS4_GPU_CHECK(cudaFuncSetAttribute(fn, cudaFuncAttributeMaxDynamicSharedMemorySize, g_dev.optin));
-  if constexpr (FOLD) {
-    if (g_dev.max_cluster <= 1) return;
-    // As set_attr: the largest cluster co-schedulable at the shared memory a streaming FOLD launch
-    // takes at most (g_dev.stream_fold_smem: the launcher caps its ring there).
-    int cap = 8;
-    if (cudaFuncSetAttribute(fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1) == cudaSuccess) {
-      cudaLaunchConfig_t lc = {};
-      lc.gridDim = dim3(1, 1, 16);
-      lc.blockDim = dim3(kThreads, 1, 1);
-      lc.dynamicSmemBytes = static_cast<size_t>(g_dev.stream_fold_smem);
-      int most = 0;
-      if (cudaOccupancyMaxPotentialClusterSize(&most, fn, &lc) == cudaSuccess && most > 0) cap = most;
-    }
-    (void)cudaGetLastError();
-    int pow2 = 1;
-    while (pow2 * 2 <= std::min(cap, 16)) pow2 *= 2;
-    g_dev.max_cluster = std::min(g_dev.max_cluster, pow2);
-  }
+  // As set_attr, at the shared memory a streaming FOLD launch takes at most (g_dev.stream_fold_smem:
+  // the launcher caps its ring there).
+  if constexpr (FOLD) cap_cluster(fn, static_cast<size_t>(g_dev.stream_fold_smem));
 }
 
 // Every instantiation the launchers use, per type.
