@@ -49,6 +49,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     void gpu_set_matvec_fuse "ds4::gpu::testing::set_matvec_fuse"(cbool on) except +
     cbool gpu_set_matvec_mma "ds4::gpu::testing::set_matvec_mma"(cbool on) except +
     cbool gpu_set_pdl "ds4::gpu::testing::set_pdl"(cbool on) except +
+    cbool gpu_set_matvec_int8 "ds4::gpu::testing::set_matvec_int8"(cbool on) except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -237,6 +238,13 @@ def _t_gpu_set_matvec_mma(on):
     return bool(gpu_set_matvec_mma(bool(on)))
 
 
+def _t_gpu_set_matvec_int8(on):
+    """The integer Q8_0 products (ext/gpu/xplanes.cuh; default on, DS4_GPU_MV_INT8=0 is the
+    environment's way to turn them off) or the fp32 decode-and-fma path, process-wide; the two differ
+    in the last bits. Returns whether the switch is on now."""
+    return bool(gpu_set_matvec_int8(bool(on)))
+
+
 def _t_gpu_set_pdl(on):
     """Launch the engine's kernels with programmatic dependent launch (ext/gpu/launch.cuh) or without,
     process-wide (the bits never change; DS4_GPU_PDL=0 is the environment's way). Returns whether it
@@ -384,6 +392,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_fuse=_t_gpu_set_matvec_fuse,
     gpu_set_matvec_mma=_t_gpu_set_matvec_mma,
     gpu_set_pdl=_t_gpu_set_pdl,
+    gpu_set_matvec_int8=_t_gpu_set_matvec_int8,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

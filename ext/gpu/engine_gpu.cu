@@ -177,6 +177,8 @@ struct GpuEngine::Impl {
       *idx_sc, *attn_out, *o_low, *y, *router, *sel_w, *ex_gate, *ex_up, *ex_down, *sh_gate, *sh_up, *sh_down,
       *idx_scores, *head_in, *logits, *attn_part;
   int32_t* argmax_tokens;  // the logit lanes' greedy tokens (step with argmax_out)
+  uint8_t* x_planes;        // the integer Q8_0 products' planes of X (xplanes.cuh), max_rows columns
+  int64_t x_planes_bytes = 0;
   uint16_t* kv16;
   int32_t *sel_id, *pair_row, *sorted_pairs, *n_parts, *comp_sel;
   ExpertPart* parts;
@@ -229,7 +231,8 @@ struct GpuEngine::Impl {
   // Every product gets the one scratch buffer: the calls are stream-ordered, so they never
   // overlap (the SIMT products ignore it).
   MatvecScratch scratch() const {
-    return MatvecScratch{reinterpret_cast<float*>(mma_scratch.data()), static_cast<size_t>(mma_scratch.bytes())};
+    return MatvecScratch{reinterpret_cast<float*>(mma_scratch.data()), static_cast<size_t>(mma_scratch.bytes()),
+                         x_planes, static_cast<size_t>(x_planes_bytes)};
   }
   int staged_min() const { return staged ? kMatvecStagedMin : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
@@ -423,6 +426,11 @@ void GpuEngine::Impl::carve_scratch() {
   n_idx = csa ? opts.max_ctx / 4 : 0;
   n_sel = csa ? std::min<int64_t>(cfg.index_topk, opts.max_ctx / 4) : 0;
   const bool shared = cfg.n_expert_shared == 1;
+  // Planes for the widest X a product reads, all of a step's rows: the attention output (the
+  // grouped output projection's members side by side), the mHC stream, the expert width.
+  const int64_t widest = std::max({nh * hd, hc * d, d, static_cast<int64_t>(cfg.q_lora_rank),
+                                   static_cast<int64_t>(cfg.o_groups) * cfg.o_lora_rank, F});
+  x_planes_bytes = static_cast<int64_t>(matvec_planes_bytes(widest, R));
   struct Part {
     void** ptr;
     int64_t bytes;
@@ -468,6 +476,7 @@ void GpuEngine::Impl::carve_scratch() {
       {reinterpret_cast<void**>(&attn_part), 4 * attention_part_floats(static_cast<int>(R), static_cast<int>(nh),
                                                                        static_cast<int>(hd))},
       {reinterpret_cast<void**>(&argmax_tokens), 4 * R},
+      {reinterpret_cast<void**>(&x_planes), x_planes_bytes},
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);

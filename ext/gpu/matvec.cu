@@ -162,6 +162,9 @@ bool use_chunks(const TensorView& W, int64_t units) {
   return chunk_fits<T>(units, W.row_bytes()) && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 && chunked_on();
 }
 
+// The integer Q8_0 products (xplanes.cuh); -1: not read from the environment yet.
+std::atomic<int> g_int8{-1};
+
 // Types the tall variant is built for: the tall dense matrices of DS4 GGUFs (q_b, the LM head)
 // are Q8_0, or F16/BF16 in unquantized files. The others never take it (instantiating it for
 // them would only add compile time).
@@ -200,11 +203,11 @@ bool persistent_on() { return env_switch(g_persistent, "DS4_GPU_MV_PERSIST"); }
 
 // Blocks of the direct kernel <T, NC, SHAPE> the whole device holds at once (0 where the runtime
 // cannot say: the grid is then one block a row block). Asked once per instantiation.
-template <int T, int NC, int SHAPE>
+template <int T, int NC, int SHAPE, bool PL>
 int64_t dense_resident_blocks() {
   static const int64_t n = [] {
     int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE>, kMatvecThreads,
+    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE, PL>, kMatvecThreads,
                                                       dense_dynamic_smem<T, NC, SHAPE>()) !=
         cudaSuccess) {
       (void)cudaGetLastError();
@@ -225,9 +228,10 @@ int64_t dense_grid(int64_t n_blocks, int64_t resident, int n_batch) {
   return (n_blocks + rounds - 1) / rounds;
 }
 
-template <int T, int NC>
-void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
-                     bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
+// PL: X is a planes buffer (Q8_0's integer products; ldx and batch.x in bytes).
+template <int T, int NC, bool PL>
+void launch_dense_shape(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                        bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
@@ -241,15 +245,15 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
   if constexpr (kTall2Type<T> && NC <= kTall2MaxCols) {
     if (tall && rows >= kTallRows && chunks && tall_stages_now() == 2) {
       matvec_prepare();  // the dynamic shared memory limit (the engine prepared before any capture)
-      run(matvec_dense_kernel<T, NC, kDenseTall2>, 2 * matvec_block_rows(NC, ks),
-          dense_resident_blocks<T, NC, kDenseTall2>(), dense_dynamic_smem<T, NC, kDenseTall2>());
+      run(matvec_dense_kernel<T, NC, kDenseTall2, PL>, 2 * matvec_block_rows(NC, ks),
+          dense_resident_blocks<T, NC, kDenseTall2, PL>(), dense_dynamic_smem<T, NC, kDenseTall2>());
       return;
     }
   }
   if constexpr (kTallType<T>) {
     if (tall && rows >= kTallRows) {
-      run(matvec_dense_kernel<T, NC, kDenseTall>, 2 * matvec_block_rows(NC, ks),
-          dense_resident_blocks<T, NC, kDenseTall>());
+      run(matvec_dense_kernel<T, NC, kDenseTall, PL>, 2 * matvec_block_rows(NC, ks),
+          dense_resident_blocks<T, NC, kDenseTall, PL>());
       return;
     }
   }
@@ -257,34 +261,46 @@ void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t
   if constexpr (kShortType<T>) {
     // Fewer row blocks (all members together) than SMs: one row a warp, up to R times the blocks.
     if ((rows + br - 1) / br * n_batch < device_sms()) {
-      run(matvec_dense_kernel<T, NC, kDenseShort>, static_cast<int64_t>(kMatvecWarps / ks),
-          dense_resident_blocks<T, NC, kDenseShort>());
+      run(matvec_dense_kernel<T, NC, kDenseShort, PL>, static_cast<int64_t>(kMatvecWarps / ks),
+          dense_resident_blocks<T, NC, kDenseShort, PL>());
       return;
     }
   }
-  run(matvec_dense_kernel<T, NC, kDenseRows>, br, dense_resident_blocks<T, NC, kDenseRows>());
+  run(matvec_dense_kernel<T, NC, kDenseRows, PL>, br, dense_resident_blocks<T, NC, kDenseRows, PL>());
+}
+
+template <int T, int NC>
+void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                     bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
+  if constexpr (T == kQ8_0) {
+    if (planes) {
+      launch_dense_shape<T, NC, true>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s);
+      return;
+    }
+  }
+  launch_dense_shape<T, NC, false>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s);
 }
 
 template <int T>
 void launch_dense(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
-                  bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s) {
+                  bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
   switch (nc) {
-    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
-    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s); break;
+    case 1: launch_dense_nc<T, 1>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 2: launch_dense_nc<T, 2>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 3: launch_dense_nc<T, 3>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 4: launch_dense_nc<T, 4>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 5: launch_dense_nc<T, 5>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 6: launch_dense_nc<T, 6>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 7: launch_dense_nc<T, 7>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 8: launch_dense_nc<T, 8>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 9: launch_dense_nc<T, 9>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 10: launch_dense_nc<T, 10>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 11: launch_dense_nc<T, 11>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 12: launch_dense_nc<T, 12>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 13: launch_dense_nc<T, 13>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 14: launch_dense_nc<T, 14>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 15: launch_dense_nc<T, 15>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
+    case 16: launch_dense_nc<T, 16>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s, planes); break;
     default: throw std::invalid_argument("GPU matvec: a chunk has 1..16 columns");
   }
 }
@@ -307,14 +323,14 @@ struct StagedDevice {
 StagedDevice g_staged;
 std::once_flag g_staged_once;
 
-template <int T, int NC>
+template <int T, int NC, bool PL>
 const void* staged_fn_ptr() {
-  return reinterpret_cast<const void*>(&matvec_staged_kernel<T, NC>);
+  return reinterpret_cast<const void*>(&matvec_staged_kernel<T, NC, PL>);
 }
 
-template <int T, int NC>
+template <int T, int NC, bool PL>
 void prepare_staged_one(size_t optin) {
-  const void* fn = staged_fn_ptr<T, NC>();
+  const void* fn = staged_fn_ptr<T, NC, PL>();
   cudaFuncAttributes attr;
   DS4_GPU_CHECK(cudaFuncGetAttributes(&attr, fn));
   StagedFn f;
@@ -332,7 +348,8 @@ void prepare_staged_one(size_t optin) {
 
 template <int T, int... I>
 void prepare_staged_type(size_t optin, std::integer_sequence<int, I...>) {
-  (prepare_staged_one<T, I + 1>(optin), ...);
+  (prepare_staged_one<T, I + 1, false>(optin), ...);
+  if constexpr (T == kQ8_0) (prepare_staged_one<T, I + 1, true>(optin), ...);
 }
 
 // The staged kernel takes these types (F32 matrices in DS4 are the 24-row mHC projections).
@@ -378,44 +395,58 @@ int staged_blocks_per_sm(const StagedFn& f, size_t dyn) {
   return std::max(1, std::min({by_threads, by_regs, by_smem}));
 }
 
-template <int T, int NC>
-void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
-                      int n_batch, const MatvecBatch& batch, cudaStream_t s) {
+template <int T, int NC, bool PL>
+void launch_staged_shape(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                         int n_batch, const MatvecBatch& batch, cudaStream_t s) {
   const int64_t rows = W.ne[1], K = W.ne[0];
   const int ks = matvec_kslices(rows, units);
-  const size_t dyn = static_cast<size_t>(NC) * static_cast<size_t>(staged_col4(K)) * 16 + staged_wbuf_bytes<T>();
-  const StagedFn& f = g_staged.fns.at(staged_fn_ptr<T, NC>());
+  const size_t cols = PL ? static_cast<size_t>(NC) * static_cast<size_t>(units) * kPlaneBytes
+                         : static_cast<size_t>(NC) * static_cast<size_t>(staged_col4(K)) * 16;
+  const size_t dyn = cols + staged_wbuf_bytes<T>();
+  const StagedFn& f = g_staged.fns.at(staged_fn_ptr<T, NC, PL>());
   const int64_t br = static_cast<int64_t>(kStagedRows) * (kStagedWarps / ks);
   const int64_t n_blocks = (rows + br - 1) / br;
   // A persistent grid over the members' row blocks: each member gets its share of the GPU.
   const int64_t resident = static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn);
   const int64_t grid = std::min<int64_t>(n_blocks, std::max<int64_t>(1, resident / n_batch));
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
-  launch(matvec_staged_kernel<T, NC>, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)), kStagedThreads,
-         dyn, s, W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
+  launch(matvec_staged_kernel<T, NC, PL>, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)),
+         kStagedThreads, dyn, s, W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
+}
+
+template <int T, int NC>
+void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
+                      int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
+  if constexpr (T == kQ8_0) {
+    if (planes) {
+      launch_staged_shape<T, NC, true>(W, units, X, ldx, Y, ldy, n_batch, batch, s);
+      return;
+    }
+  }
+  launch_staged_shape<T, NC, false>(W, units, X, ldx, Y, ldy, n_batch, batch, s);
 }
 
 template <int T>
 void launch_staged(const TensorView& W, int64_t units, const float* X, int nc, int64_t ldx, float* Y, int64_t ldy,
-                   int n_batch, const MatvecBatch& batch, cudaStream_t s) {
+                   int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
   if constexpr (kStagedType<T>) {
     switch (nc) {
-      case 1: launch_staged_nc<T, 1>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 2: launch_staged_nc<T, 2>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 3: launch_staged_nc<T, 3>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 4: launch_staged_nc<T, 4>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 5: launch_staged_nc<T, 5>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 6: launch_staged_nc<T, 6>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 7: launch_staged_nc<T, 7>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 8: launch_staged_nc<T, 8>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 9: launch_staged_nc<T, 9>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 10: launch_staged_nc<T, 10>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 11: launch_staged_nc<T, 11>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 12: launch_staged_nc<T, 12>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 13: launch_staged_nc<T, 13>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 14: launch_staged_nc<T, 14>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 15: launch_staged_nc<T, 15>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
-      case 16: launch_staged_nc<T, 16>(W, units, X, ldx, Y, ldy, n_batch, batch, s); break;
+      case 1: launch_staged_nc<T, 1>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 2: launch_staged_nc<T, 2>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 3: launch_staged_nc<T, 3>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 4: launch_staged_nc<T, 4>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 5: launch_staged_nc<T, 5>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 6: launch_staged_nc<T, 6>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 7: launch_staged_nc<T, 7>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 8: launch_staged_nc<T, 8>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 9: launch_staged_nc<T, 9>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 10: launch_staged_nc<T, 10>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 11: launch_staged_nc<T, 11>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 12: launch_staged_nc<T, 12>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 13: launch_staged_nc<T, 13>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 14: launch_staged_nc<T, 14>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 15: launch_staged_nc<T, 15>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
+      case 16: launch_staged_nc<T, 16>(W, units, X, ldx, Y, ldy, n_batch, batch, s, planes); break;
       default: throw std::invalid_argument("GPU matvec: a staged piece has 1..16 columns");
     }
   } else {
@@ -560,7 +591,7 @@ void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* p
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   launch(matvec_grouped_kernel<T, MAXC>, grid, kMatvecThreads, 0, s,
       W.data, W.row_bytes() * rows, W.row_bytes(), rows, units, ks, reinterpret_cast<const ExpertPartDev*>(parts),
-      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units));
+      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units), T == kQ8_0 && int8_on());
 }
 
 template <int T>
@@ -704,6 +735,65 @@ void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, co
   });
 }
 
+namespace {
+
+// matvec_batched's SIMT products, with the X planes already made (`ready`, Q8_0 with the integer
+// products on) or made here.
+void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stride_bytes, const float* X,
+                 int64_t x_stride, int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, cudaStream_t s,
+                 bool tall, int staged_min, const MatvecScratch& scratch, const uint8_t* ready, int64_t ready_ldp) {
+  const bool planes = W.type == DType::Q8_0 && int8_on();
+  PlanesLease lease;
+  if (planes && ready == nullptr)
+    lease = prepare_planes(X, ldx, x_stride, ncols, n_batch, W.ne[0], scratch.planes, scratch.planes_bytes, s);
+  const uint8_t* P = ready != nullptr ? ready : lease.data;
+  const int64_t ldp = ready != nullptr ? ready_ldp : lease.ldp;
+  // Planes: member i's column c at P + (i * ncols + c) * ldp, passed where X goes (ldx, batch.x in bytes).
+  const MatvecBatch batch{w_stride_bytes, planes ? static_cast<int64_t>(ncols) * ldp : x_stride, y_stride};
+  // Wider products run as 16-column chunks: each column is still single-column arithmetic.
+  for (int c0 = 0; c0 < ncols; c0 += kMaxCols) {
+    const int nc = std::min(kMaxCols, ncols - c0);
+    auto x_at = [&](int c) {
+      return planes ? reinterpret_cast<const float*>(P + static_cast<int64_t>(c) * ldp) : X + static_cast<int64_t>(c) * ldx;
+    };
+    const int64_t lx = planes ? ldp : ldx;
+    float* Yc = Y + static_cast<int64_t>(c0) * ldy;
+    const int pieces = staged_pieces(W, nc, staged_min);
+    if (pieces > 0) {
+      // Near-equal pieces, each one staged launch.
+      for (int p = 0, p0 = 0; p < pieces; ++p) {
+        const int w = nc / pieces + (p < nc % pieces ? 1 : 0);
+        const float* Xp = x_at(c0 + p0);
+        float* Yp = Yc + static_cast<int64_t>(p0) * ldy;
+        switch (W.type) {
+          case DType::F16: launch_staged<kF16>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          default: throw std::invalid_argument("GPU matvec: unsupported weight type");
+        }
+        DS4_GPU_CHECK_LAUNCH("matvec_staged_kernel");
+        p0 += w;
+      }
+      continue;
+    }
+    const float* Xc = x_at(c0);
+    switch (W.type) {
+      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      default: throw std::invalid_argument("GPU matvec: unsupported weight type");
+    }
+    DS4_GPU_CHECK_LAUNCH("matvec_dense_kernel");
+  }
+}
+
+}  // namespace
+
 void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
                     int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall,
                     int staged_min, const MatvecScratch& scratch) {
@@ -725,44 +815,72 @@ void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, co
     }
     return;
   }
-  const MatvecBatch batch{w_stride_bytes, x_stride, y_stride};
-  const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // Wider products run as 16-column chunks: each column is still single-column arithmetic.
-  for (int c0 = 0; c0 < ncols; c0 += kMaxCols) {
-    const int nc = std::min(kMaxCols, ncols - c0);
-    const float* Xc = X + static_cast<int64_t>(c0) * ldx;
-    float* Yc = Y + static_cast<int64_t>(c0) * ldy;
-    const int pieces = staged_pieces(W, nc, staged_min);
-    if (pieces > 0) {
-      // Near-equal pieces, each one staged launch.
-      for (int p = 0, p0 = 0; p < pieces; ++p) {
-        const int w = nc / pieces + (p < nc % pieces ? 1 : 0);
-        const float* Xp = Xc + static_cast<int64_t>(p0) * ldx;
-        float* Yp = Yc + static_cast<int64_t>(p0) * ldy;
-        switch (W.type) {
-          case DType::F16: launch_staged<kF16>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
-          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
-          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
-          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
-          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, ldx, Yp, ldy, n_batch, batch, s); break;
-          default: throw std::invalid_argument("GPU matvec: unsupported weight type");
-        }
-        DS4_GPU_CHECK_LAUNCH("matvec_staged_kernel");
-        p0 += w;
-      }
-      continue;
-    }
-    switch (W.type) {
-      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, ldx, Yc, ldy, tall, n_batch, batch, s); break;
-      default: throw std::invalid_argument("GPU matvec: unsupported weight type");
-    }
-    DS4_GPU_CHECK_LAUNCH("matvec_dense_kernel");
+  matvec_simt(W, units, n_batch, w_stride_bytes, X, x_stride, ncols, ldx, Y, y_stride, ldy,
+              static_cast<cudaStream_t>(stream), tall, staged_min, scratch, nullptr, 0);
+}
+
+namespace detail {
+void matvec_with_planes(const TensorView& W, const float* X, const uint8_t* planes, int64_t ldp, int ncols,
+                        int64_t ldx, float* Y, int64_t ldy, Stream stream, bool tall, int staged_min,
+                        const MatvecScratch& scratch) {
+  if (planes == nullptr || matvec_uses_mma(W) || W.type != DType::Q8_0 || !int8_on()) {
+    matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min, scratch);
+    return;
   }
+  const int64_t units = check_weights(W, "GPU matvec");
+  check_activations(X, ldx, "GPU matvec");
+  if (ncols <= 0 || W.ne[1] == 0) return;
+  matvec_simt(W, units, 1, 0, X, 0, ncols, ldx, Y, 0, ldy, static_cast<cudaStream_t>(stream), tall, staged_min,
+              scratch, planes, ldp);
+}
+}  // namespace detail
+
+// --- planes (xplanes.cuh) ------------------------------------------------------------------------
+
+bool int8_on() { return env_switch(g_int8, "DS4_GPU_MV_INT8"); }
+void set_matvec_int8(bool on) { g_int8.store(on ? 1 : 0, std::memory_order_relaxed); }
+bool matvec_int8() { return int8_on(); }
+
+PlanesLease& PlanesLease::operator=(PlanesLease&& o) noexcept {
+  if (this != &o) {
+    if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+    data = o.data;
+    ldp = o.ldp;
+    owned = o.owned;
+    stream = o.stream;
+    o.owned = nullptr;
+    o.data = nullptr;
+  }
+  return *this;
+}
+
+PlanesLease::~PlanesLease() {
+  if (owned != nullptr) (void)cudaFreeAsync(owned, stream);
+}
+
+PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int ncols, int n_batch, int64_t K,
+                           uint8_t* scratch, size_t scratch_bytes, cudaStream_t stream) {
+  PlanesLease lease;
+  const int64_t units = K / 32;
+  const int64_t cols = static_cast<int64_t>(ncols) * n_batch;
+  const size_t need = matvec_planes_bytes(K, cols);
+  lease.ldp = units * kPlaneBytes;
+  lease.stream = stream;
+  if (scratch != nullptr && need <= scratch_bytes) {
+    lease.data = scratch;
+  } else {
+    DS4_GPU_CHECK(cudaMallocAsync(&lease.owned, need, stream));
+    lease.data = static_cast<const uint8_t*>(lease.owned);
+  }
+  const int64_t threads = units * kPlaneThreads;
+  for (int64_t j0 = 0; j0 < cols; j0 += 65535) {
+    const dim3 grid(static_cast<unsigned>((threads + kPlanesPrepThreads - 1) / kPlanesPrepThreads),
+                    static_cast<unsigned>(std::min<int64_t>(65535, cols - j0)));
+    launch(x_planes_kernel, grid, kPlanesPrepThreads, 0, stream, X, ldx, x_member, ncols, units,
+           const_cast<uint8_t*>(lease.data), lease.ldp, j0);
+    DS4_GPU_CHECK_LAUNCH("x_planes_kernel");
+  }
+  return lease;
 }
 
 void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part, int32_t* sorted_pairs,
@@ -828,10 +946,10 @@ int matvec_settings_key() {
   // 15 wide passes of 8 n-tiles, 16 K-slice partials added in the kernel (else by a fold launch);
   // 17 programmatic dependent launch (launch.cuh: graph edges, the same bits); 18 the direct
   // kernel's persistent grid; 19-28 the tensor cores' stage shapes (below); 29 the tall kernel's two
-  // chunk stages.
+  // chunk stages; 30 the integer Q8_0 products (xplanes.cuh).
   int key = (chunked_on() ? 1 : 0) | grouped_variant_now() << 1 | grouped_stages_now() << 3 |
             grouped_width_now() << 6 | (matvec_fuse() ? 1 : 0) << 10 | (pdl_on() ? 1 : 0) << 17 |
-            (persistent_on() ? 1 : 0) << 18 | (tall_stages_now() == 2 ? 1 : 0) << 29;
+            (persistent_on() ? 1 : 0) << 18 | (tall_stages_now() == 2 ? 1 : 0) << 29 | (int8_on() ? 1 : 0) << 30;
   if (mma_on()) {
     // Phase 5's stage shapes (MMA.md): stream and stream_cols take 0, 1, 2, 4 or 8 (3 bits as
     // their log2 + 1), stream_blocks 0..3, group_tiles 0..2.

@@ -27,6 +27,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "xplanes.cuh"
 
 namespace ds4::gpu {
 
@@ -138,7 +139,7 @@ struct Unit<kQ8_0> {
   static constexpr int kElems = 32, kGroups = 8, kChunkBytes = 32 * 34;
   struct Raw {
     float d_256, neg_32896_d;
-    uint32_t q[8];  // the int8 values XOR 0x80 (biased to 0..255), four per word
+    uint32_t q[8];  // the int8 values as stored, four per word
   };
   DS4_HD static void set_scale(Raw& r, uint32_t d_bits) {
     const float d = half_bits_to_float(d_bits);
@@ -150,7 +151,7 @@ struct Unit<kQ8_0> {
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       const uint32_t lo = ds4_ldg(p + 1 + 2 * i), hi = static_cast<uint32_t>(ds4_ldg(p + 2 + 2 * i));
-      r.q[i] = (lo | (hi << 16)) ^ 0x80808080u;
+      r.q[i] = lo | (hi << 16);
     }
     set_scale(r, ds4_ldg(p));
   }
@@ -165,14 +166,15 @@ struct Unit<kQ8_0> {
     const bool odd = (off & 2) != 0;
     const uint32_t sel = odd ? 0x7654u : 0x5432u;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) r.q[i] = ds4_byte_perm(v[i], v[i + 1], sel) ^ 0x80808080u;
+    for (int i = 0; i < 8; ++i) r.q[i] = ds4_byte_perm(v[i], v[i + 1], sel);
     set_scale(r, odd ? (v[0] >> 16) : (v[0] & 0xffffu));
   }
   DS4_HD static void decode(const Raw& r, int g, float w[4]) {
-    w[0] = q8_times<0>(r.q[g], r.d_256, r.neg_32896_d);
-    w[1] = q8_times<1>(r.q[g], r.d_256, r.neg_32896_d);
-    w[2] = q8_times<2>(r.q[g], r.d_256, r.neg_32896_d);
-    w[3] = q8_times<3>(r.q[g], r.d_256, r.neg_32896_d);
+    const uint32_t b = r.q[g] ^ 0x80808080u;  // biased to 0..255
+    w[0] = q8_times<0>(b, r.d_256, r.neg_32896_d);
+    w[1] = q8_times<1>(b, r.d_256, r.neg_32896_d);
+    w[2] = q8_times<2>(b, r.d_256, r.neg_32896_d);
+    w[3] = q8_times<3>(b, r.d_256, r.neg_32896_d);
   }
   DS4_HD static int64_t k_of(int64_t u, int g) { return 32 * u + 4 * g; }
 };
@@ -325,17 +327,29 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
 
   // Unit u of every row, decoded once and applied to every column, elements in a fixed order.
   auto apply = [&](const typename U::Raw (&raw)[R], int64_t u) {
-#pragma unroll
-    for (int g = 0; g < U::kGroups; ++g) {
-      float w[R][4];
-#pragma unroll
-      for (int r = 0; r < R; ++r) U::decode(raw[r], g, w[r]);
-      const int64_t k = U::k_of(u, g);
+    if constexpr (XLoad::kPlanes) {
+      // Integer Q8_0 (xplanes.cuh): per column, the unit's planes once, then every row.
+      static_assert(T == kQ8_0, "the planes serve Q8_0 products only");
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
-        const float4 xv = xload(c, k);
+        UnitPlanes xp;
+        xload.planes(c, u, xp);
 #pragma unroll
-        for (int r = 0; r < R; ++r) acc[r][c] = fma4(w[r], xv, acc[r][c]);
+        for (int r = 0; r < R; ++r) acc[r][c] = q8_planes_dot(raw[r].q, raw[r].d_256, xp, acc[r][c]);
+      }
+    } else {
+#pragma unroll
+      for (int g = 0; g < U::kGroups; ++g) {
+        float w[R][4];
+#pragma unroll
+        for (int r = 0; r < R; ++r) U::decode(raw[r], g, w[r]);
+        const int64_t k = U::k_of(u, g);
+#pragma unroll
+        for (int c = 0; c < NC; ++c) {
+          const float4 xv = xload(c, k);
+#pragma unroll
+          for (int r = 0; r < R; ++r) acc[r][c] = fma4(w[r], xv, acc[r][c]);
+        }
       }
     }
   };
@@ -492,6 +506,7 @@ struct DenseOff {
 // X + off(c).
 template <class XOff>
 struct GlobalX {
+  static constexpr bool kPlanes = false;
   const float* X;
   XOff off;
   __device__ float4 operator()(int c, int64_t k) const {
@@ -532,13 +547,13 @@ constexpr int dense_dynamic_smem() {
   return SHAPE == kDenseTall2 ? chunk_buffer_bytes<T>(dense_rows_per_warp(NC, SHAPE), kMatvecWarps, 2) : 0;
 }
 
-template <int T, int NC, int SHAPE>
+// PL (Q8_0 only): X is a planes buffer (xplanes.cuh), ldx and batch.x in bytes.
+template <int T, int NC, int SHAPE, bool PL = false>
 __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                         const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy, bool chunked,
                         MatvecBatch batch) {
   W += blockIdx.y * batch.w_bytes;
-  X += blockIdx.y * batch.x;
   Y += blockIdx.y * batch.y;
   constexpr int R = dense_rows_per_warp(NC, SHAPE);
   constexpr int S = SHAPE == kDenseTall2 ? 2 : chunk_stages<T>(R, kMatvecWarps);
@@ -552,8 +567,15 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     wbuf = dense_static;
   }
   const int64_t br = static_cast<int64_t>(R) * (kMatvecWarps / ks);
-  matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
-                             GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
+  if constexpr (PL) {
+    const uint8_t* P = reinterpret_cast<const uint8_t*>(X) + blockIdx.y * batch.x;
+    matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                               PlanesX<DenseOff, true>{P, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
+  } else {
+    X += blockIdx.y * batch.x;
+    matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                               GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
+  }
 }
 
 // --- the staged kernel: activations in shared memory, a persistent grid ------------------------
@@ -589,6 +611,7 @@ __device__ __forceinline__ int staged_chunk(int64_t k) {
 
 template <int T>
 struct StagedX {
+  static constexpr bool kPlanes = false;
   const float4* xs;  // shared: NC columns of col4 float4 each
   int col4;
   __device__ float4 operator()(int c, int64_t k) const { return xs[c * col4 + staged_chunk<T>(k)]; }
@@ -603,44 +626,63 @@ __host__ __device__ constexpr int staged_wbuf_bytes() {
   return Unit<T>::kChunkBytes > 0 ? chunk_buffer_bytes<T>(kStagedRows, kStagedWarps, 2) : 0;
 }
 
-template <int T, int NC>
+// PL (Q8_0 only): X is a planes buffer (xplanes.cuh; ldx, batch.x in bytes), copied as it is: the
+// columns take NC * units * kPlaneBytes of shared memory (less than the floats' NC * col4 * 16).
+template <int T, int NC, bool PL = false>
 __global__ void __launch_bounds__(kStagedThreads)
     matvec_staged_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                          int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
                          bool chunked, MatvecBatch batch) {
   ds4_grid_begin();
   W += blockIdx.y * batch.w_bytes;
-  X += blockIdx.y * batch.x;
   Y += blockIdx.y * batch.y;
   constexpr int R = kStagedRows;
   extern __shared__ float4 xs[];
   __shared__ float part[kStagedWarps * R * NC];
-  const int col4 = static_cast<int>(staged_col4(K));
-  const int k4 = static_cast<int>(K / 4);
-  // The copy: four independent 16-byte loads in flight per thread before their stores.
-  for (int c = 0; c < NC; ++c) {
-    const float4* src = reinterpret_cast<const float4*>(X + static_cast<int64_t>(c) * ldx);
-    float4* dst = xs + c * col4;
-    for (int j0 = static_cast<int>(threadIdx.x); j0 < k4; j0 += 4 * kStagedThreads) {
-      float4 v[4];
+  if constexpr (PL) {
+    const uint8_t* P = reinterpret_cast<const uint8_t*>(X) + blockIdx.y * batch.x;
+    const int64_t col_vec = units * kPlaneBytes / 16;  // 16-byte vectors a column
+    for (int c = 0; c < NC; ++c) {
+      const uint4* src = reinterpret_cast<const uint4*>(P + c * ldx);
+      uint4* dst = reinterpret_cast<uint4*>(xs) + c * col_vec;
+      for (int64_t j = threadIdx.x; j < col_vec; j += kStagedThreads) dst[j] = ds4_ldg(src + j);
+    }
+    __syncthreads();
+    const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
+    const int64_t n_blocks = (rows + br - 1) / br;
+    uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs) + NC * col_vec * 16;
+    matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks,
+                               PlanesX<DenseOff, false>{reinterpret_cast<const uint8_t*>(xs), DenseOff{col_vec * 16}},
+                               Y, DenseOff{ldy}, part, chunked, wbuf);
+  } else {
+    X += blockIdx.y * batch.x;
+    const int col4 = static_cast<int>(staged_col4(K));
+    const int k4 = static_cast<int>(K / 4);
+    // The copy: four independent 16-byte loads in flight per thread before their stores.
+    for (int c = 0; c < NC; ++c) {
+      const float4* src = reinterpret_cast<const float4*>(X + static_cast<int64_t>(c) * ldx);
+      float4* dst = xs + c * col4;
+      for (int j0 = static_cast<int>(threadIdx.x); j0 < k4; j0 += 4 * kStagedThreads) {
+        float4 v[4];
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = j0 + q * kStagedThreads;
-        if (j < k4) v[q] = ds4_ldg(src + j);
-      }
+        for (int q = 0; q < 4; ++q) {
+          const int j = j0 + q * kStagedThreads;
+          if (j < k4) v[q] = ds4_ldg(src + j);
+        }
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int j = j0 + q * kStagedThreads;
-        if (j < k4) dst[staged_chunk<T>(4 * static_cast<int64_t>(j))] = v[q];
+        for (int q = 0; q < 4; ++q) {
+          const int j = j0 + q * kStagedThreads;
+          if (j < k4) dst[staged_chunk<T>(4 * static_cast<int64_t>(j))] = v[q];
+        }
       }
     }
+    __syncthreads();
+    const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
+    const int64_t n_blocks = (rows + br - 1) / br;
+    uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs + static_cast<int64_t>(NC) * col4);
+    matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks, StagedX<T>{xs, col4}, Y,
+                               DenseOff{ldy}, part, chunked, wbuf);
   }
-  __syncthreads();
-  const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
-  const int64_t n_blocks = (rows + br - 1) / br;
-  uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs + static_cast<int64_t>(NC) * col4);
-  matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks, StagedX<T>{xs, col4}, Y,
-                             DenseOff{ldy}, part, chunked, wbuf);
 }
 
 // A part of the expert-grouped product: pairs [first, first + count) of the pair list all use
@@ -661,7 +703,8 @@ struct GatherOff {
 // The grouped kernel's shared chunk buffer: sized for the widest R it runs (narrow parts).
 constexpr int kGroupedRows = rows_per_warp(1) > rows_per_warp(kMaxPartCols) ? rows_per_warp(1) : rows_per_warp(kMaxPartCols);
 
-template <int T, int NC>
+// LP (Q8_0 only): the integer products, the planes built by each lane (LanePlanesX).
+template <int T, int NC, bool LP>
 __device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                                              const float* X, const int32_t* lanes, int64_t ldx, float* Y,
                                              const int32_t* ids, int64_t ldy, float* part, bool chunked,
@@ -670,24 +713,33 @@ __device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_byte
   // The buffer holds S stages of kGroupedRows rows; a narrower R uses its front part.
   constexpr int S = chunk_stages<T>(kGroupedRows, kMatvecWarps);
   const int64_t br = matvec_block_rows(NC, ks);
-  matvec_blocks<T, NC, R, S>(We, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
-                             GlobalX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part, chunked, wbuf);
+  if constexpr (LP) {
+    matvec_blocks<T, NC, R, S>(We, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                               LanePlanesX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part, chunked,
+                               wbuf);
+  } else {
+    matvec_blocks<T, NC, R, S>(We, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                               GlobalX<GatherOff>{X, GatherOff{lanes, ldx}}, Y, GatherOff{ids, ldy}, part, chunked,
+                               wbuf);
+  }
 }
 
 // Columns c0.. of a part, in sub-parts of at most MAXC columns (each column is single-column
 // arithmetic, so how a part is cut never changes a result).
-template <int T, int NC>
+template <int T, int NC, bool LP>
 __device__ __forceinline__ void grouped_part_nc(int nc, const uint8_t* We, int64_t row_bytes, int64_t rows,
                                                 int64_t units, int ks, const float* X, const int32_t* lanes,
                                                 int64_t ldx, float* Y, const int32_t* ids, int64_t ldy, float* part,
                                                 bool chunked, uint8_t* wbuf) {
   if (nc == NC) {
-    grouped_part<T, NC>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
+    grouped_part<T, NC, LP>(We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
   } else if constexpr (NC > 1) {
-    grouped_part_nc<T, NC - 1>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
+    grouped_part_nc<T, NC - 1, LP>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
   }
 }
 
+// planes: Q8_0 products take the integer arithmetic (xplanes.cuh, LanePlanesX), as the dense
+// products do with the switch on, so every pair still equals its dense product.
 // MAXC (1, 2, 4 or 8): the widest sub-part a block runs, chosen by the launcher from the lanes of
 // the step (a part has at most one pair per lane unless a lane routes twice to one expert, which
 // the sub-parts cover): the register file and the grid are sized for it, so a decode step of one
@@ -699,7 +751,7 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
                           int64_t units, int ks, const ExpertPartDev* __restrict__ parts,
                           const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                           const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
-                          float* __restrict__ Y, int64_t ldy, bool chunked) {
+                          float* __restrict__ Y, int64_t ldy, bool chunked, bool planes) {
   ds4_grid_begin();
   constexpr int S = chunk_stages<T>(kGroupedRows, kMatvecWarps);
   __shared__ float part[kMatvecWarps * kGroupedRows * MAXC];
@@ -722,7 +774,12 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
       lanes[c] = x_row != nullptr ? x_row[pair] : pair;
     }
     __syncthreads();
-    grouped_part_nc<T, MAXC>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked, wbuf);
+    if (T == kQ8_0 && planes)
+      grouped_part_nc<T, MAXC, T == kQ8_0>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part,
+                                           chunked, wbuf);
+    else
+      grouped_part_nc<T, MAXC, false>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked,
+                                      wbuf);
   }
 }
 
@@ -1143,20 +1200,30 @@ struct MultiProduct {
 struct MultiArgs {
   MultiProduct p[kMultiMax];
   int64_t K;
+  const uint8_t* planes;  // the Q8_0 products' planes of X (xplanes.cuh), null for the float path
+  int64_t ldp;            // bytes a column of planes
   int32_t n;
 };
 
 template <int T, int NC, int R>
-__device__ __forceinline__ void multi_product(const MultiProduct& p, int64_t K, const float* __restrict__ X,
+__device__ __forceinline__ void multi_product(const MultiProduct& p, const MultiArgs& a, const float* __restrict__ X,
                                               int64_t ldx, float* part, uint8_t* wbuf) {
   constexpr int S = chunk_stages<T>(R, kMatvecWarps);
-  const int64_t units = K / Unit<T>::kElems;
+  const int64_t units = a.K / Unit<T>::kElems;
   const int64_t br = static_cast<int64_t>(R) * (kMatvecWarps / p.ks);
   const int64_t nb = (p.rows + br - 1) / br;
+  const int64_t b = static_cast<int64_t>(blockIdx.x) - p.first_block;
   // One row block: b_step = b_end = nb ends the loop after it.
-  matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, static_cast<int64_t>(blockIdx.x) - p.first_block,
-                             nb, nb, GlobalX<DenseOff>{X, DenseOff{ldx}}, p.Y, DenseOff{p.ldy}, part, p.chunked != 0,
-                             wbuf);
+  if constexpr (T == kQ8_0) {
+    if (a.planes != nullptr) {
+      matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, b, nb, nb,
+                                 PlanesX<DenseOff, true>{a.planes, DenseOff{a.ldp}}, p.Y, DenseOff{p.ldy}, part,
+                                 p.chunked != 0, wbuf);
+      return;
+    }
+  }
+  matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, b, nb, nb, GlobalX<DenseOff>{X, DenseOff{ldx}}, p.Y,
+                             DenseOff{p.ldy}, part, p.chunked != 0, wbuf);
 }
 
 // The descriptor table stays in the parameter space, read by index (CUDA: __grid_constant__, so a
@@ -1182,10 +1249,10 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     if (j < a.n && static_cast<int>(blockIdx.x) >= a.p[j].first_block) i = j;
   const MultiProduct& p = a.p[i];
   if constexpr (TA == TB) {
-    multi_product<TA, NC, R>(p, a.K, X, ldx, part, wbuf);
+    multi_product<TA, NC, R>(p, a, X, ldx, part, wbuf);
   } else {
-    if (p.type == TA) multi_product<TA, NC, R>(p, a.K, X, ldx, part, wbuf);
-    else multi_product<TB, NC, R>(p, a.K, X, ldx, part, wbuf);
+    if (p.type == TA) multi_product<TA, NC, R>(p, a, X, ldx, part, wbuf);
+    else multi_product<TB, NC, R>(p, a, X, ldx, part, wbuf);
   }
 }
 

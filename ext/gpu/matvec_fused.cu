@@ -136,11 +136,13 @@ bool fits_descriptor(const MatvecProduct& p) {
 }
 
 // One fused launch over products idx[0..m) (types ta, tb); a lone product is matvec's own launch.
+// planes: X's planes for the Q8_0 products (integer products on), else null.
 int launch_group(const MatvecProduct* ps, const int64_t* units, const int* idx, int m, int ta, int tb,
-                 const float* X, int nc, int64_t ldx, cudaStream_t s, bool tall, int staged_min) {
+                 const float* X, int nc, int64_t ldx, cudaStream_t s, bool tall, int staged_min,
+                 const PlanesLease& planes, const MatvecScratch& scratch) {
   if (m == 1) {
     const MatvecProduct& p = ps[idx[0]];
-    matvec(p.W, X, nc, ldx, p.Y, p.ldy, s, tall, staged_min);
+    detail::matvec_with_planes(p.W, X, planes.data, planes.ldp, nc, ldx, p.Y, p.ldy, s, tall, staged_min, scratch);
     return 1;
   }
   // The tall variant where matvec would give it to one of them (R never changes a result).
@@ -150,6 +152,8 @@ int launch_group(const MatvecProduct* ps, const int64_t* units, const int* idx, 
   const int R = (use_tall ? 2 : 1) * rows_per_warp(nc);
   MultiArgs a{};
   a.K = ps[idx[0]].W.ne[0];
+  a.planes = planes.data;
+  a.ldp = planes.ldp;
   a.n = m;
   int64_t first = 0;
   for (int j = 0; j < m; ++j) {
@@ -258,10 +262,16 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
       products[n_products++] = p;
     }
   }
+  // One set of planes of X serves every Q8_0 product (the integer products, xplanes.cuh).
+  PlanesLease planes;
+  bool any_q8 = false;
+  for (int i = 0; i < n_products; ++i) any_q8 = any_q8 || (products[i].W.type == DType::Q8_0 && products[i].W.ne[1] > 0);
+  if (any_q8 && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch.planes, scratch.planes_bytes, s);
   if (!fuse_on() || ncols > kMultiMaxCols) {
     for (int i = 0; i < n_products; ++i) {
       const MatvecProduct& p = products[i];
-      matvec(p.W, X, ncols, ldx, p.Y, p.ldy, stream, tall, staged_min);
+      detail::matvec_with_planes(p.W, X, planes.data, planes.ldp, ncols, ldx, p.Y, p.ldy, stream, tall, staged_min,
+                                 scratch);
       launches += matvec_launches(p.W, ncols, staged_min);
     }
     return launches;
@@ -275,7 +285,8 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
     if (p.W.ne[1] == 0) continue;
     const int pieces = detail::matvec_staged_pieces(p.W, ncols, staged_min);
     if (pieces > 0 || !fits_descriptor(p)) {
-      matvec(p.W, X, ncols, ldx, p.Y, p.ldy, stream, tall, staged_min);
+      detail::matvec_with_planes(p.W, X, planes.data, planes.ldp, ncols, ldx, p.Y, p.ldy, stream, tall, staged_min,
+                                 scratch);
       launches += std::max(pieces, 1);
       continue;
     }
@@ -302,12 +313,13 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
     int m = 0;
     for (int j = 0; j < count[kq]; ++j) idx[m++] = members[kq][j];
     for (int j = 0; j < count[kp]; ++j) idx[m++] = members[kp][j];
-    launches += launch_group(products, units, idx, m, kQ8_0, types[kp], X, ncols, ldx, s, tall, staged_min);
+    launches += launch_group(products, units, idx, m, kQ8_0, types[kp], X, ncols, ldx, s, tall, staged_min, planes,
+                             scratch);
   }
   for (int k = 0; k < n_types; ++k) {
     if (kp >= 0 && (k == kq || k == kp)) continue;
     launches += launch_group(products, units, members[k], count[k], types[k], types[k], X, ncols, ldx, s, tall,
-                             staged_min);
+                             staged_min, planes, scratch);
   }
   return launches;
 }
@@ -469,6 +481,11 @@ bool set_matvec_mma(bool on) {
 bool set_pdl(bool on) {
   ds4::gpu::set_pdl(on);
   return ds4::gpu::pdl_on();
+}
+
+bool set_matvec_int8(bool on) {
+  ds4::gpu::set_matvec_int8(on);
+  return ds4::gpu::matvec_int8();
 }
 
 }  // namespace testing

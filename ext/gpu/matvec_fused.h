@@ -46,10 +46,19 @@ struct MatvecProduct {
 // Device scratch of the tensor-core products: the wide path's pre-split activations and the
 // K-slice partial sums (mma_matvec.cuh, mma_*_scratch_bytes). Used only during a call, in stream
 // order, so one buffer serves every product of a stream; 16-byte aligned; empty is allowed.
+// planes: the integer Q8_0 products' planes of X (xplanes.cuh), matvec_planes_bytes of the widest
+// call; a call without room makes a stream-ordered allocation of its own (the same bits).
 struct MatvecScratch {
   float* data = nullptr;
   size_t bytes = 0;
+  uint8_t* planes = nullptr;
+  size_t planes_bytes = 0;
 };
+
+// Bytes of planes for `cols` columns of K elements (K a multiple of 32): 112 per 32 elements.
+constexpr size_t matvec_planes_bytes(int64_t K, int64_t cols) {
+  return static_cast<size_t>(cols) * static_cast<size_t>(K / 32) * 112;
+}
 
 #if defined(DS4_GPU_CUDA) || defined(DS4_GPU_HIP) || defined(__CUDACC__) || defined(__HIPCC__) || defined(__HIP__)
 
@@ -58,6 +67,11 @@ struct MatvecScratch {
 // changes nothing and the getter is false.
 void set_matvec_mma(bool on);
 bool matvec_mma();
+// The integer Q8_0 products (xplanes.cuh): on by default, DS4_GPU_MV_INT8=0 or
+// set_matvec_int8(false) gives the fp32 decode-and-fma path. Changes low bits (bit 30 of
+// matvec_settings_key); each setting is exact and batch-invariant on its own. Process-wide.
+void set_matvec_int8(bool on);
+bool matvec_int8();
 // Whether products of W take the tensor-core kernels now: the switch on and mma_matvec_fits(W). A
 // function of W and the switch only, never of the column count or the call.
 bool matvec_uses_mma(const TensorView& W);
@@ -116,6 +130,11 @@ void matvec_check_activations(const float* X, int64_t ldx, const char* who);
 bool matvec_chunked_on();
 // Staged pieces matvec would cut an nc-column chunk into (0: the direct kernel takes it).
 int matvec_staged_pieces(const TensorView& W, int nc, int staged_min);
+// matvec of a product whose X planes are already made (planes: column c at planes + c * ldp;
+// null: matvec's own path). matvec_multi makes one set of planes for all its Q8_0 products.
+void matvec_with_planes(const TensorView& W, const float* X, const uint8_t* planes, int64_t ldp, int ncols,
+                        int64_t ldx, float* Y, int64_t ldy, Stream stream, bool tall, int staged_min,
+                        const MatvecScratch& scratch);
 }  // namespace detail
 
 namespace testing {
@@ -136,6 +155,8 @@ void set_matvec_fuse(bool on);
 bool set_matvec_mma(bool on);
 // launch.cuh's set_pdl(on); returns pdl_on() after it (false where the device has no PDL).
 bool set_pdl(bool on);
+// set_matvec_int8(on); returns matvec_int8() after it.
+bool set_matvec_int8(bool on);
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -150,6 +171,7 @@ inline void swiglu(float*, const float*, int, int64_t, float) { no_backend(); }
 inline void set_matvec_fuse(bool) { no_backend(); }
 inline bool set_matvec_mma(bool) { no_backend(); }
 inline bool set_pdl(bool) { no_backend(); }
+inline bool set_matvec_int8(bool) { no_backend(); }
 }  // namespace testing
 
 #endif

@@ -47,6 +47,8 @@
 #define cudaDeviceSynchronize hipDeviceSynchronize
 #define cudaMalloc hipMalloc
 #define cudaFree hipFree
+#define cudaMallocAsync hipMallocAsync
+#define cudaFreeAsync hipFreeAsync
 #define cudaMallocHost(ptr, size) hipHostMalloc(ptr, size, hipHostMallocDefault)
 #define cudaFreeHost hipHostFree
 #define cudaMemcpy hipMemcpy
@@ -146,6 +148,20 @@ DS4_HD uint32_t ds4_byte_perm(uint32_t x, uint32_t y, uint32_t s) {
   uint32_t r = 0;
   for (int i = 0; i < 4; ++i) r |= static_cast<uint32_t>((v >> (8 * ((s >> (4 * i)) & 7u))) & 0xffu) << (8 * i);
   return r;
+#endif
+}
+
+// a . b + c over the four signed bytes of a and of b (dp4a), exact in 32-bit integers. CUDA: one
+// instruction (sm_61+); HIP and the host: the four products written out (the compiler may pick a
+// dot instruction where the target has one).
+DS4_HD int ds4_dp4a(int a, int b, int c) {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__)
+  return __dp4a(a, b, c);
+#else
+  for (int i = 0; i < 4; ++i)
+    c += static_cast<int>(static_cast<int8_t>(static_cast<uint32_t>(a) >> (8 * i))) *
+         static_cast<int>(static_cast<int8_t>(static_cast<uint32_t>(b) >> (8 * i)));
+  return c;
 #endif
 }
 

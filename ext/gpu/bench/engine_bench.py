@@ -30,10 +30,10 @@ includes the plan upload, every kernel and the logits download). Method:
 - --variants: instead of the three modes, the default mode under each of several switch settings
   set in this one process (`pdl=0/1` programmatic dependent launch, `l2=0/1` the L2 prefetch,
   `mma=0/1` the tensor cores, `fuse=0/1` the fused launches, `persist=0/1` the direct matvec's
-  persistent grid, `tall2=0/1` the tall matvec's two chunk stages; joined by ':', variants by ','; what
-  a variant does not name is at its default): prefill and decode interleave the variants for each
-  size, and the exactness check compares every variant's logits with the first one's, bit for bit
-  (expected equal for all but `mma`); the profile runs under each variant (JSON.profile-N.txt);
+  persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
+  products; joined by ':', variants by ','; what a variant does not name is at its default): prefill
+  and decode interleave the variants for each size, and the exactness check compares every
+  variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`); the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
   C embedding rows; per lane and layer its attention keys (window and compressed rows, f16) and, on
@@ -187,7 +187,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default.
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False}  # l2: the engine's default
+                   "tall2": False, "int8": True}  # l2: the engine's default
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -203,6 +203,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_fuse(want["fuse"])
     _native._testing.gpu_set_matvec_persistent(want["persist"])
     _native._testing.gpu_set_matvec_tall_stages(2 if want["tall2"] else 1)
+    _native._testing.gpu_set_matvec_int8(want["int8"])
 
 
 class Runs:

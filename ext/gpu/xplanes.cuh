@@ -1,0 +1,235 @@
+// Integer Q8_0 products: the activations as exact small integers ("planes"), the dot products in
+// 32-bit integer arithmetic (dp4a), one rounding per 32-element unit.
+//
+// Why (ext/gpu/README.md "Pass 10"): at one column the SIMT Q8_0 products spent ~4 instructions a
+// weight (a byte permute and an fma to decode each weight exactly, the fma of the product, the
+// unit loads) and ran at 35-40% of the memory bandwidth with the weight stream waiting on the
+// instruction stream. Here a unit of 32 weights against one column costs 24 dp4a and ~6 other
+// instructions: under one instruction a weight.
+//
+// The arithmetic. For a unit of 32 activations x_i (one column), E is the exponent with
+// max|x_i| < 2^E (clamped to E >= -100), s = 2^(E-22) and m_i = rint(x_i / s), so |m_i| <= 2^22 and
+// x_i = s m_i + e_i with |e_i| <= s/2 = 2^-23 2^E. Each m_i is split into three signed bytes,
+// m_i = p0_i + 2^8 p1_i + 2^16 p2_i (p0, p1 in -128..127, p2 in -64..64): the unit's planes. A Q8_0
+// unit (scale d, int8 q_i) then gives, exactly in integers,
+//   S1 = sum q_i p1_i,  T = 2^8 S1 + sum q_i p0_i (|T| < 2^28),  S2 = sum q_i p2_i (|S2| <= 2^18),
+// and its contribution to the (row, column) sum is acc = fmaf(fmaf(float(S2), 2^16, float(T)),
+// d s, acc): float(T) and the inner fma round once each, d s is exact (a half times a power of
+// two), the outer fma rounds once. Against the exact dot product of the unit that is an error of at
+// most ~2^-23 of sum |d q_i| max|x| plus the three roundings, where the fp32 kernels' 32 fmas round
+// 32 times: the same size of error as the float path (test_gpu_int8.py checks both against float64).
+// Zero units give s = 0 (no contribution); a unit holding an inf or NaN gives s = NaN, so the sum is
+// NaN as in the float path. The clamp E >= -100 keeps 1/s and 256 s normal floats: a unit whose
+// largest |x| is below 2^-100 (~8e-31) is resolved to 2^-123 absolute instead of 2^-23 relative.
+//
+// Exactness as the other kernels keep it: a column's planes depend on that column alone, a lane
+// takes its units in the same order, and the sums are reduced by the same butterfly and k-slice
+// tree, so every column of a launch is bit-identical to the column alone, and the planes built by
+// the prep kernel (8 threads a unit), copied into shared memory, or built by one lane
+// (LanePlanesX) are the same bytes. What changes is the arithmetic against the float path
+// (DS4_GPU_MV_INT8=0): a different last bit or so, like the tensor-core switch.
+//
+// Layout: a column's planes are `units` records of kPlaneBytes: p0 words 0..7 (elements 4w..4w+3,
+// byte j = element 4w + j), p1 words, p2 words, then the float 256 s at byte 96 (12 bytes of
+// padding keep a record 16-byte aligned and let 8 lanes read 8 consecutive records' 16-byte
+// pieces without a shared-memory bank conflict).
+#pragma once
+
+#include <cstdint>
+
+#include "common.cuh"
+
+namespace ds4::gpu {
+
+constexpr int kPlaneBytes = 112;
+constexpr int kPlaneScaleOff = 96;
+constexpr int kPlaneThreads = 8;  // threads that build one unit's record in the prep kernel
+
+// One unit's planes of one column, as a lane holds them.
+struct UnitPlanes {
+  uint32_t p0[8], p1[8], p2[8];
+  float s256;  // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
+};
+
+// 1 / s (a power of two; 0 for a zero unit or one holding an inf or NaN) and 256 s (NaN for the
+// latter) of a unit whose largest |x| has the bits amax_bits (the largest of bits(x) & 0x7fffffff:
+// the integer order of those bits is the order of |x|, with the infs and NaNs above every number).
+__device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, float* s256) {
+  if (amax_bits == 0u || amax_bits >= 0x7f800000u) {
+    *s_inv = 0.0f;
+    *s256 = amax_bits == 0u ? 0.0f : ds4_bits_to_float(0x7fc00000u);
+    return;
+  }
+  const int ef = static_cast<int>(amax_bits >> 23);
+  int e = ef == 0 ? -126 : ef - 126;  // max|x| < 2^e
+  e = e < -100 ? -100 : e;
+  *s_inv = ds4_bits_to_float(static_cast<uint32_t>(127 + 22 - e) << 23);
+  *s256 = ds4_bits_to_float(static_cast<uint32_t>(127 + e - 14) << 23);
+}
+
+// The three digit bytes of x / s rounded to the nearest integer (ties to even): x * s_inv is exact
+// (a power of two) or, where it underflows, far below 1/2 and rounds to 0 either way; adding
+// 1.5 * 2^23 rounds it to an integer (|x * s_inv| < 2^22), and the float's low bits are that integer.
+__device__ __forceinline__ void plane_digits(float x, float s_inv, uint32_t* d0, uint32_t* d1, uint32_t* d2) {
+  const float t = __fadd_rn(__fmul_rn(x, s_inv), 12582912.0f);
+  const int m = static_cast<int>(ds4_float_to_bits(t)) - 0x4B400000;
+  const int p0 = static_cast<int>(static_cast<uint32_t>(m) << 24) >> 24;
+  const int r1 = (m - p0) >> 8;
+  const int p1 = static_cast<int>(static_cast<uint32_t>(r1) << 24) >> 24;
+  const int p2 = (r1 - p1) >> 8;
+  *d0 = static_cast<uint32_t>(p0) & 0xffu;
+  *d1 = static_cast<uint32_t>(p1) & 0xffu;
+  *d2 = static_cast<uint32_t>(p2) & 0xffu;
+}
+
+// The plane words of four consecutive elements (element j in byte j).
+__device__ __forceinline__ void plane_words(float4 v, float s_inv, uint32_t* w0, uint32_t* w1, uint32_t* w2) {
+  const float e[4] = {v.x, v.y, v.z, v.w};
+  uint32_t a = 0, b = 0, c = 0;
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    uint32_t d0, d1, d2;
+    plane_digits(e[j], s_inv, &d0, &d1, &d2);
+    a |= d0 << (8 * j);
+    b |= d1 << (8 * j);
+    c |= d2 << (8 * j);
+  }
+  *w0 = a;
+  *w1 = b;
+  *w2 = c;
+}
+
+__device__ __forceinline__ uint32_t abs_bits_max(float4 v) {
+  const uint32_t a = ds4_float_to_bits(v.x) & 0x7fffffffu, b = ds4_float_to_bits(v.y) & 0x7fffffffu;
+  const uint32_t c = ds4_float_to_bits(v.z) & 0x7fffffffu, d = ds4_float_to_bits(v.w) & 0x7fffffffu;
+  return max(max(a, b), max(c, d));
+}
+
+// Unit u of Q8_0 row weights (raw: q words as stored, d_256) against one column's planes xp, added
+// to acc as the header describes.
+__device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_256, const UnitPlanes& xp, float acc) {
+  int s1 = 0, s2 = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) {
+    s1 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p1[i]), s1);
+    s2 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p2[i]), s2);
+  }
+  int t = s1 * 256;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) t = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p0[i]), t);
+  const float f = fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
+  return fmaf(f, d_256 * xp.s256, acc);
+}
+
+// --- where a kernel finds a unit's planes (matvec_blocks' XLoad with kPlanes) -------------------
+
+// Records kPlaneBytes apart from P + off(c) (bytes), in global memory (GLOBAL: read through the
+// read-only cache) or shared memory.
+template <class Off, bool GLOBAL>
+struct PlanesX {
+  static constexpr bool kPlanes = true;
+  const uint8_t* P;
+  Off off;
+  __device__ __forceinline__ void planes(int c, int64_t u, UnitPlanes& xp) const {
+    const uint4* p = reinterpret_cast<const uint4*>(P + off(c) + kPlaneBytes * u);
+    uint4 v[6];
+#pragma unroll
+    for (int i = 0; i < 6; ++i) v[i] = GLOBAL ? ds4_ldg(p + i) : p[i];
+    const float s = GLOBAL ? ds4_ldg(reinterpret_cast<const float*>(p + 6)) : *reinterpret_cast<const float*>(p + 6);
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      xp.p0[4 * i] = v[i].x, xp.p0[4 * i + 1] = v[i].y, xp.p0[4 * i + 2] = v[i].z, xp.p0[4 * i + 3] = v[i].w;
+      xp.p1[4 * i] = v[2 + i].x, xp.p1[4 * i + 1] = v[2 + i].y, xp.p1[4 * i + 2] = v[2 + i].z,
+      xp.p1[4 * i + 3] = v[2 + i].w;
+      xp.p2[4 * i] = v[4 + i].x, xp.p2[4 * i + 1] = v[4 + i].y, xp.p2[4 * i + 2] = v[4 + i].z,
+      xp.p2[4 * i + 3] = v[4 + i].w;
+    }
+    xp.s256 = s;
+  }
+};
+
+// Planes built by the lane from the float column at X + off(c) (elements): the prep kernel's
+// arithmetic, one lane doing all 32 elements. For products with no planes buffer (the grouped
+// Q8_0 product, whose X rows are only known on the device).
+template <class Off>
+struct LanePlanesX {
+  static constexpr bool kPlanes = true;
+  const float* X;
+  Off off;
+  __device__ __forceinline__ void planes(int c, int64_t u, UnitPlanes& xp) const {
+    const float4* p = reinterpret_cast<const float4*>(X + off(c) + 32 * u);
+    float4 v[8];
+    uint32_t amax = 0;
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      v[i] = ds4_ldg(p + i);
+      amax = max(amax, abs_bits_max(v[i]));
+    }
+    float s_inv;
+    plane_scale(amax, &s_inv, &xp.s256);
+#pragma unroll
+    for (int i = 0; i < 8; ++i) plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+  }
+};
+
+// --- the prep kernel --------------------------------------------------------------------------
+//
+// Column j (j0 + blockIdx.y) of a call is column j % ncols of batch member j / ncols: floats at
+// X + (j / ncols) * x_member + (j % ncols) * ldx, planes at P + j * ldp. kPlaneThreads threads a
+// unit, each four elements: the unit's largest |x| by a shuffle over its 8 threads, then each
+// thread writes its word of each plane. Bytes: 4 K in, 3.5 K out a column.
+constexpr int kPlanesPrepThreads = 128;
+
+__global__ void __launch_bounds__(kPlanesPrepThreads)
+    x_planes_kernel(const float* __restrict__ X, int64_t ldx, int64_t x_member, int ncols, int64_t units,
+                    uint8_t* __restrict__ P, int64_t ldp, int64_t j0) {
+  ds4_grid_begin();
+  const int64_t j = j0 + blockIdx.y;
+  const float* x = X + static_cast<int64_t>(j / ncols) * x_member + static_cast<int64_t>(j % ncols) * ldx;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kPlanesPrepThreads + threadIdx.x;
+  const int64_t u = t / kPlaneThreads;
+  const int w = static_cast<int>(t % kPlaneThreads);
+  const bool live = u < units;  // every lane takes part in the shuffles
+  const float4 v = live ? ds4_ldg(reinterpret_cast<const float4*>(x + 32 * u) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
+  uint32_t amax = abs_bits_max(v);
+#pragma unroll
+  for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
+  float s_inv, s256;
+  plane_scale(amax, &s_inv, &s256);
+  uint32_t w0, w1, w2;
+  plane_words(v, s_inv, &w0, &w1, &w2);
+  if (live) {
+    uint32_t* rec = reinterpret_cast<uint32_t*>(P + static_cast<int64_t>(j) * ldp + kPlaneBytes * u);
+    rec[w] = w0;
+    rec[8 + w] = w1;
+    rec[16 + w] = w2;
+    if (w == 0) reinterpret_cast<float*>(rec)[kPlaneScaleOff / 4] = s256;
+  }
+}
+
+// --- host side (matvec.cu) -----------------------------------------------------------------
+
+// The integer Q8_0 products: on unless DS4_GPU_MV_INT8=0 or set_matvec_int8(false) (matvec_fused.h).
+bool int8_on();
+
+// Planes of a call's columns: column j at data + j * ldp. `owned`: a stream-ordered allocation this
+// lease frees (in stream order) when it goes, where the caller's scratch had no room.
+struct PlanesLease {
+  const uint8_t* data = nullptr;
+  int64_t ldp = 0;
+  void* owned = nullptr;
+  cudaStream_t stream = nullptr;
+  PlanesLease() = default;
+  PlanesLease(const PlanesLease&) = delete;
+  PlanesLease& operator=(const PlanesLease&) = delete;
+  PlanesLease(PlanesLease&& o) noexcept { *this = static_cast<PlanesLease&&>(o); }
+  PlanesLease& operator=(PlanesLease&& o) noexcept;
+  ~PlanesLease();
+};
+
+// Launches the prep kernel for n_batch x ncols columns of K elements (member i's column c at
+// X + i * x_member + c * ldx), into scratch's planes space when it has room.
+PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int ncols, int n_batch, int64_t K,
+                           uint8_t* scratch, size_t scratch_bytes, cudaStream_t stream);
+
+}  // namespace ds4::gpu

@@ -1,0 +1,146 @@
+"""The integer Q8_0 products (ext/gpu/xplanes.cuh) against float64, the fp32 path and themselves.
+
+Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook (``_testing``):
+``gpu_set_matvec_int8(on) -> bool``, process-wide (DS4_GPU_MV_INT8=0 turns the switch off; it is
+on by default). With it on, a Q8_0 product turns each 32-element unit of X into three planes of
+signed bytes (x = 2^(E-22) * (p0 + 2^8 p1 + 2^16 p2) to 2^-23 of the unit's largest |x|) and sums
+q * p in integers; with it off, every weight is decoded to fp32 and multiplied in.
+
+The rest of the GPU suite runs with the switch at its default (on): the width, staged, tall,
+chunked, batched and grouped bit-identities of test_gpu_kernels.py hold for the integer path there;
+here they are checked again with the switch off, so both arithmetics keep them.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu.test_gpu_kernels import GEOMETRY, scale_of, tame_raw
+
+native = pytest.importorskip("ds4_app.engine._native")
+T = native._testing
+pytestmark = pytest.mark.gpu
+
+Q8_0 = 8
+
+
+@pytest.fixture
+def int8_switch():
+    """Set the switch inside a test; back to the default (on) after it."""
+    yield T.gpu_set_matvec_int8
+    T.gpu_set_matvec_int8(True)
+
+
+def exact(raw: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
+    """The products in float64 from the CPU dequantizer's weights (exact values of d * q)."""
+    w = T.dequantize(Q8_0, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)
+    return x.astype(np.float64) @ w.T
+
+
+def test_int8_switch_reads_back(int8_switch) -> None:
+    assert int8_switch(False) is False
+    assert int8_switch(True) is True
+
+
+@pytest.mark.parametrize("ne0, ne1", [(4096, 300), (1024, 2100), (8192, 64)])
+def test_int8_error_is_the_size_of_fp32_rounding(int8_switch, ne0: int, ne1: int) -> None:
+    """Both paths within 2^-18 of sum |w x| of the float64 products, and the integer path's largest
+    error no more than four times the fp32 path's (it rounds the activations to 2^-23 of each unit's
+    largest and then 3 times a unit, where fp32 rounds 32 times a unit)."""
+    rng = np.random.default_rng()
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((5, ne0)).astype(np.float32)
+    x[1] *= 1e-20  # far below 1 and far above it: the unit scale follows the data
+    x[2] *= 1e20
+    x[3, : ne0 // 2] *= 1e-6  # one unit's worth of very different magnitudes in a column
+    want = exact(raw, ne0, ne1, x)
+    bound = scale_of(Q8_0, raw, ne0, ne1, x)
+    int8_switch(True)
+    got_i = T.gpu_matmul(Q8_0, raw, ne0, ne1, x).astype(np.float64)
+    int8_switch(False)
+    got_f = T.gpu_matmul(Q8_0, raw, ne0, ne1, x).astype(np.float64)
+    err_i, err_f = np.abs(got_i - want) / bound, np.abs(got_f - want) / bound
+    assert err_i.max() <= 2.0**-18, err_i.max()
+    assert err_f.max() <= 2.0**-18, err_f.max()
+    assert err_i.max() <= 4 * err_f.max() + 2.0**-30, (err_i.max(), err_f.max())
+    assert not np.array_equal(got_i, got_f)  # the switch does change the arithmetic
+
+
+def test_int8_zero_tiny_and_nonfinite_units(int8_switch) -> None:
+    """A zero column gives zeros; subnormal and near-overflow columns stay within the bound; an inf
+    or NaN in a unit makes the rows NaN (as fp32 arithmetic would), and no other column is touched."""
+    rng = np.random.default_rng()
+    ne0, ne1 = 1024, 96
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((5, ne0)).astype(np.float32)
+    x[0] = 0.0
+    x[1] *= np.float32(1e-42)  # subnormals
+    x[2] = x[2] / np.abs(x[2]).max() * np.float32(3e34)  # sums stay below the float range (|d q| <= 2.6)
+    x[3, 100] = np.inf
+    x[4, 700] = np.nan
+    int8_switch(True)
+    y = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
+    assert (y[0] == 0).all()
+    want = exact(raw, ne0, ne1, x[1:3])
+    bound = scale_of(Q8_0, raw, ne0, ne1, x[1:3])
+    # Units whose largest |x| is below 2^-100 are resolved to 2^-123 absolute (the unit scale is
+    # clamped at 2^-122; xplanes.cuh): far below anything a model produces, and below what fp32
+    # resolves relative to any O(1) activation beside them.
+    w_abs = np.abs(T.dequantize(Q8_0, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)).sum(axis=1)
+    assert (np.abs(y[1].astype(np.float64) - want[0]) <= 2.0**-20 * bound[0] + 2.0**-122 * w_abs).all()
+    assert (np.abs(y[2].astype(np.float64) - want[1]) <= 2.0**-20 * bound[1]).all()
+    assert np.isnan(y[3]).all() and np.isnan(y[4]).all()
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["fp32", "int8"])
+def test_both_paths_keep_width_staged_tall_and_grouped_identities(int8_switch, on: bool) -> None:
+    """Under either setting: columns of 1..16-wide launches equal single columns (direct, staged and
+    tall kernels), batched members equal their own launches, grouped pairs equal their dense
+    products (the grouped Q8_0 kernel builds the planes lane by lane: the same bytes)."""
+    int8_switch(on)
+    rng = np.random.default_rng()
+    ne0, ne1 = 2048, 17000  # tall from 16384 rows, staged from 512
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    single = np.concatenate([T.gpu_matmul(Q8_0, raw, ne0, ne1, x[c : c + 1]) for c in range(16)])
+    for width in (2, 5, 16):
+        for kw in (dict(staged=False), dict(staged=True), dict(staged=False, tall=True)):
+            y = T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width], **kw)
+            assert np.array_equal(y.view(np.uint32), single[:width].view(np.uint32)), (on, width, kw)
+
+    rows, n_batch = 512, 4
+    member_bytes = ne0 // 32 * 34 * rows
+    xb = rng.standard_normal((3, n_batch * ne0)).astype(np.float32)
+    got = T.gpu_matmul_batched(Q8_0, raw[: n_batch * member_bytes], ne0, rows * n_batch, n_batch, xb)
+    for i in range(n_batch):
+        own = T.gpu_matmul(Q8_0, raw[i * member_bytes : (i + 1) * member_bytes], ne0, rows, xb[:, i * ne0 : (i + 1) * ne0])
+        assert np.array_equal(got[:, i * rows : (i + 1) * rows].view(np.uint32), own.view(np.uint32)), (on, i)
+
+    n_expert, n_lanes, ge1 = 4, 5, 200
+    expert_bytes = ne0 // GEOMETRY[Q8_0][0] * GEOMETRY[Q8_0][1] * ge1
+    pair_expert = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
+    x_row = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
+    y = T.gpu_matmul_grouped(Q8_0, raw[: n_expert * expert_bytes], ne0, ge1, n_expert, x[:n_lanes], pair_expert, x_row, 8)
+    for p, (e, r) in enumerate(zip(pair_expert, x_row)):
+        one = T.gpu_matmul(Q8_0, raw[e * expert_bytes : (e + 1) * expert_bytes], ne0, ge1, x[r : r + 1])[0]
+        assert np.array_equal(one.view(np.uint32), y[p].view(np.uint32)), (on, p)
+
+
+def test_multi_product_launch_equals_its_products(int8_switch) -> None:
+    """matvec_multi makes one set of planes for all its Q8_0 products (beside an F16 one): each output
+    equals its own matvec, fused and with fusion off."""
+    rng = np.random.default_rng()
+    ne0 = 1024
+    shapes = [(Q8_0, 640), (1, 256), (Q8_0, 96)]
+    raws = [tame_raw(t, ne0 * r, rng) for t, r in shapes]
+    x = rng.standard_normal((3, ne0)).astype(np.float32)
+    for on in (True, False):
+        int8_switch(on)
+        want = [T.gpu_matmul(t, raw, ne0, r, x) for (t, r), raw in zip(shapes, raws)]
+        for fuse in (True, False):
+            T.gpu_set_matvec_fuse(fuse)
+            got, _ = T.gpu_matmul_multi([(t, raw, r) for (t, r), raw in zip(shapes, raws)], ne0, x, staged=False)
+            for g, w in zip(got, want):
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (on, fuse)
+        T.gpu_set_matvec_fuse(True)
