@@ -225,9 +225,11 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         # attention's split partials: R x n_head x 8 splits x (head_dim + 2) floats (paged_ops.cu)
         ("attn_part", 4 * R * nh * 8 * (hd + 2)),
         ("argmax", 4 * R),  # the logit lanes' greedy tokens (step_argmax)
-        # the integer Q8_0 products' planes of X (ext/gpu/xplanes.cuh): 112 bytes per 32 elements
-        # of the widest X a product reads, max_rows columns
-        ("x_planes", R * (max(nh * hd, hc * d, d, cfg.q_lora_rank, cfg.o_groups * cfg.o_lora_rank, F) // 32) * 112),
+        # the integer Q8_0/Q4_K products' planes of X (ext/gpu/xplanes.cuh): 112 bytes per 32
+        # elements of the widest X a product reads, max_rows columns (or the experts' down input, a
+        # row per pair)
+        ("x_planes", max(R * (max(nh * hd, hc * d, d, cfg.q_lora_rank, cfg.o_groups * cfg.o_lora_rank, F) // 32),
+                         R * K * (F // 32)) * 112),
     ]
 
 

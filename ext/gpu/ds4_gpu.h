@@ -79,9 +79,11 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
 // bounds *n_parts (the launch is sized for it, so a captured graph stays valid). max_cols: the
 // widest part the kernel runs at once (a speed choice; wider parts run in pieces, same bits): the
 // engine passes its lane count, which bounds a part's width when no lane routes twice to one expert.
+// x_rows: the rows of X (0: not given), for the integer Q4_K products' planes (matvec_fused.h
+// set_matvec_int8); without it they build the planes lane by lane (the same bits, slower).
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream, int max_cols = 8);
+                    int64_t ldy, Stream stream, int max_cols = 8, int64_t x_rows = 0);
 
 // Q8_0 and Q4_K products load their weights as coalesced chunks through shared memory where the
 // matrix allows (on by default; DS4_GPU_MV_CHUNKED=0 turns it off): false sends them to the

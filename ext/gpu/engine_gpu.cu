@@ -243,9 +243,11 @@ struct GpuEngine::Impl {
     matvec_multi(ps, m, X, n, ldx, stream, tall, staged_min(), scratch());
   }
   // The expert-grouped product of a stack over this step's parts (n_pairs of them at most).
+  // x_rows: the rows of X (for the integer products' planes).
   void mvg(const TensorView& W, int n_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y, int64_t ldy,
-           int part_cols) {
-    matvec_grouped(W, parts, n_parts, n_pairs, sorted_pairs, x_row, X, ldx, Y, ldy, stream, part_cols, scratch());
+           int part_cols, int64_t x_rows) {
+    matvec_grouped(W, parts, n_parts, n_pairs, sorted_pairs, x_row, X, ldx, Y, ldy, stream, part_cols, scratch(),
+                   x_rows);
   }
   uint64_t mma_scratch_need() const;
   void ensure_mma_scratch();
@@ -427,10 +429,11 @@ void GpuEngine::Impl::carve_scratch() {
   n_sel = csa ? std::min<int64_t>(cfg.index_topk, opts.max_ctx / 4) : 0;
   const bool shared = cfg.n_expert_shared == 1;
   // Planes for the widest X a product reads, all of a step's rows: the attention output (the
-  // grouped output projection's members side by side), the mHC stream, the expert width.
+  // grouped output projection's members side by side), the mHC stream; or the routed experts' down
+  // input, a row per pair.
   const int64_t widest = std::max({nh * hd, hc * d, d, static_cast<int64_t>(cfg.q_lora_rank),
                                    static_cast<int64_t>(cfg.o_groups) * cfg.o_lora_rank, F});
-  x_planes_bytes = static_cast<int64_t>(matvec_planes_bytes(widest, R));
+  x_planes_bytes = static_cast<int64_t>(std::max(matvec_planes_bytes(widest, R), matvec_planes_bytes(F, R * K)));
   struct Part {
     void** ptr;
     int64_t bytes;
@@ -815,12 +818,12 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches
   // (always with the tensor-core switch on: the pair declines stacks the tensor cores take).
   if (!matvec_grouped_pair(L.gate_exps, L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate,
-                           nullptr, F, cfg.swiglu_clamp_exp[l], stream, part_cols)) {
-    mvg(L.gate_exps, n_pairs, pair_row, u, d, ex_gate, F, part_cols);
-    mvg(L.up_exps, n_pairs, pair_row, u, d, ex_up, F, part_cols);
+                           nullptr, F, cfg.swiglu_clamp_exp[l], stream, part_cols, n, scratch())) {
+    mvg(L.gate_exps, n_pairs, pair_row, u, d, ex_gate, F, part_cols, n);
+    mvg(L.up_exps, n_pairs, pair_row, u, d, ex_up, F, part_cols, n);
     swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
   }
-  mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols);
+  mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols, n_pairs);
   // The last large read of the layer: what follows (combine, mHC post, then the next layer's mHC
   // pre, or the head's) is latency-bound until the next layer's u products or the LM head.
   if (l + 1 < cfg.n_layer) {

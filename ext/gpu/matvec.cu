@@ -162,8 +162,13 @@ bool use_chunks(const TensorView& W, int64_t units) {
   return chunk_fits<T>(units, W.row_bytes()) && reinterpret_cast<uintptr_t>(W.data) % 16 == 0 && chunked_on();
 }
 
-// The integer Q8_0 products (xplanes.cuh); -1: not read from the environment yet.
+// The integer Q8_0 and Q4_K products (xplanes.cuh); -1: not read from the environment yet.
 std::atomic<int> g_int8{-1};
+
+// The types the planes serve, and whether a product of W takes them now.
+template <int T>
+constexpr bool kPlanesType = T == kQ8_0 || T == kQ4_K;
+bool planes_for(const TensorView& W) { return (W.type == DType::Q8_0 || W.type == DType::Q4_K) && int8_on(); }
 
 // Types the tall variant is built for: the tall dense matrices of DS4 GGUFs (q_b, the LM head)
 // are Q8_0, or F16/BF16 in unquantized files. The others never take it (instantiating it for
@@ -272,7 +277,7 @@ void launch_dense_shape(const TensorView& W, int64_t units, const float* X, int6
 template <int T, int NC>
 void launch_dense_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
                      bool tall, int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
-  if constexpr (T == kQ8_0) {
+  if constexpr (kPlanesType<T>) {
     if (planes) {
       launch_dense_shape<T, NC, true>(W, units, X, ldx, Y, ldy, tall, n_batch, batch, s);
       return;
@@ -349,7 +354,7 @@ void prepare_staged_one(size_t optin) {
 template <int T, int... I>
 void prepare_staged_type(size_t optin, std::integer_sequence<int, I...>) {
   (prepare_staged_one<T, I + 1, false>(optin), ...);
-  if constexpr (T == kQ8_0) (prepare_staged_one<T, I + 1, true>(optin), ...);
+  if constexpr (kPlanesType<T>) (prepare_staged_one<T, I + 1, true>(optin), ...);
 }
 
 // The staged kernel takes these types (F32 matrices in DS4 are the 24-row mHC projections).
@@ -417,7 +422,7 @@ void launch_staged_shape(const TensorView& W, int64_t units, const float* X, int
 template <int T, int NC>
 void launch_staged_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
                       int n_batch, const MatvecBatch& batch, cudaStream_t s, bool planes) {
-  if constexpr (T == kQ8_0) {
+  if constexpr (kPlanesType<T>) {
     if (planes) {
       launch_staged_shape<T, NC, true>(W, units, X, ldx, Y, ldy, n_batch, batch, s);
       return;
@@ -520,10 +525,17 @@ int grouped_width_now() {
   return v;
 }
 
+// X's planes for the own kernel's integer products (null: the float path, or, with the switch on,
+// no planes made: the own kernel declines and matvec_grouped_kernel builds them lane by lane).
+struct GroupedPlanes {
+  const uint8_t* data = nullptr;
+  int64_t ldp = 0;
+};
+
 template <int MAXC, int KS>
 void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const ExpertPart* parts,
                            const int32_t* n_parts, int max_parts, const int32_t* sorted_pairs, const int32_t* x_row,
-                           const float* X, int64_t ldx, float* Y, int64_t ldy, cudaStream_t s) {
+                           const float* X, int64_t ldx, float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   const int64_t rows = W.ne[1];
   const int stages = grouped_stages_now();
   // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
@@ -531,41 +543,39 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
-  if (fast) {
-    launch(matvec_grouped_own_kernel<MAXC, KS, true, GroupedStore>, grid, kMatvecThreads, smem, s,
-        W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
-        n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
-  } else {
-    launch(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore>, grid, kMatvecThreads, smem, s,
-        W.data, nullptr, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd,
-        n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y}, ldy, stages);
-  }
+  auto go = [&](auto kernel) {
+    launch(kernel, grid, kMatvecThreads, smem, s, W.data, nullptr, W.row_bytes() * rows, W.row_bytes(),
+           static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y},
+           ldy, stages, gp.data, gp.ldp);
+  };
+  if (gp.data != nullptr) go(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore, true>);
+  else if (fast) go(matvec_grouped_own_kernel<MAXC, KS, true, GroupedStore>);
+  else go(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore>);
 }
 
-// The own kernel, where it takes the product (Q4_K with chunked loads, KS <= 2); false: the
-// caller launches matvec_grouped_kernel.
+// Whether the own kernel takes a product of W (Q4_K with chunked loads, KS <= 2, an expert below
+// 2^31 bytes, the variant not pass 5), before the planes question.
+bool own_takes(const TensorView& W, int64_t units) {
+  const int64_t rows = W.ne[1];
+  return W.type == DType::Q4_K && grouped_variant_now() != kGroupedPass5 && use_chunks<kQ4_K>(W, units) &&
+         rows * W.row_bytes() < (int64_t{1} << 31) && matvec_kslices(rows, units) <= 2;
+}
+
+// The own kernel, where it takes the product; false: the caller launches matvec_grouped_kernel.
 template <int T, int MAXC>
 bool launch_grouped_own_maxc(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts,
                         int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                        float* Y, int64_t ldy, cudaStream_t s) {
+                        float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   if constexpr (T == kQ4_K) {
-    const int variant = grouped_variant_now();
-    const int64_t rows = W.ne[1];
-    if (variant == kGroupedPass5 || !use_chunks<T>(W, units) || rows * W.row_bytes() >= (int64_t{1} << 31))
-      return false;
-    const bool fast = variant == kGroupedOwnFast;
-    switch (matvec_kslices(rows, units)) {
-      case 1:
-        launch_grouped_own_ks<MAXC, 1>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy,
-                                       s);
-        return true;
-      case 2:
-        launch_grouped_own_ks<MAXC, 2>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy,
-                                       s);
-        return true;
-      default:
-        return false;
-    }
+    if (!own_takes(W, units) || (planes_for(W) && gp.data == nullptr)) return false;
+    const bool fast = grouped_variant_now() == kGroupedOwnFast;
+    if (matvec_kslices(W.ne[1], units) == 1)
+      launch_grouped_own_ks<MAXC, 1>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s,
+                                     gp);
+    else
+      launch_grouped_own_ks<MAXC, 2>(fast, W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s,
+                                     gp);
+    return true;
   } else {
     return false;
   }
@@ -574,14 +584,14 @@ bool launch_grouped_own_maxc(const TensorView& W, int64_t units, const ExpertPar
 template <int T, int MAXC>
 void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts,
                          int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                         float* Y, int64_t ldy, cudaStream_t s) {
+                         float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   // The own kernel (pass 6) where it is switched on and takes the matrix, sized for min(MAXC, width).
   if constexpr (T == kQ4_K) {
     const bool own = (MAXC <= 4 || grouped_width_now() >= 8)
                          ? launch_grouped_own_maxc<T, MAXC>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row,
-                                                            X, ldx, Y, ldy, s)
+                                                            X, ldx, Y, ldy, s, gp)
                          : launch_grouped_own_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X,
-                                                         ldx, Y, ldy, s);
+                                                         ldx, Y, ldy, s, gp);
     if (own) return;
   }
   const int64_t rows = W.ne[1];
@@ -591,21 +601,22 @@ void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* p
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   launch(matvec_grouped_kernel<T, MAXC>, grid, kMatvecThreads, 0, s,
       W.data, W.row_bytes() * rows, W.row_bytes(), rows, units, ks, reinterpret_cast<const ExpertPartDev*>(parts),
-      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units), T == kQ8_0 && int8_on());
+      n_parts, sorted_pairs, x_row, X, ldx, Y, ldy, use_chunks<T>(W, units), kPlanesType<T> && int8_on());
 }
 
 template <int T>
 void launch_grouped(const TensorView& W, int64_t units, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     int max_cols, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                    float* Y, int64_t ldy, cudaStream_t s) {
+                    float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   if (max_cols <= 1)
-    launch_grouped_maxc<T, 1>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+    launch_grouped_maxc<T, 1>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp);
   else if (max_cols <= 2)
-    launch_grouped_maxc<T, 2>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+    launch_grouped_maxc<T, 2>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp);
   else if (max_cols <= 4)
-    launch_grouped_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+    launch_grouped_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp);
   else
-    launch_grouped_maxc<T, kMaxPartCols>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s);
+    launch_grouped_maxc<T, kMaxPartCols>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, s,
+                                         gp);
 }
 
 constexpr int kPartsThreads = 256;
@@ -742,7 +753,7 @@ namespace {
 void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stride_bytes, const float* X,
                  int64_t x_stride, int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, cudaStream_t s,
                  bool tall, int staged_min, const MatvecScratch& scratch, const uint8_t* ready, int64_t ready_ldp) {
-  const bool planes = W.type == DType::Q8_0 && int8_on();
+  const bool planes = planes_for(W);
   PlanesLease lease;
   if (planes && ready == nullptr)
     lease = prepare_planes(X, ldx, x_stride, ncols, n_batch, W.ne[0], scratch.planes, scratch.planes_bytes, s);
@@ -823,7 +834,7 @@ namespace detail {
 void matvec_with_planes(const TensorView& W, const float* X, const uint8_t* planes, int64_t ldp, int ncols,
                         int64_t ldx, float* Y, int64_t ldy, Stream stream, bool tall, int staged_min,
                         const MatvecScratch& scratch) {
-  if (planes == nullptr || matvec_uses_mma(W) || W.type != DType::Q8_0 || !int8_on()) {
+  if (planes == nullptr || matvec_uses_mma(W) || !planes_for(W)) {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min, scratch);
     return;
   }
@@ -836,6 +847,42 @@ void matvec_with_planes(const TensorView& W, const float* X, const uint8_t* plan
 }  // namespace detail
 
 // --- planes (xplanes.cuh) ------------------------------------------------------------------------
+
+
+namespace {
+
+// xplanes.cuh "the prep kernel".
+__global__ void __launch_bounds__(kPlanesPrepThreads)
+    x_planes_kernel(const float* __restrict__ X, int64_t ldx, int64_t x_member, int ncols, int64_t units,
+                    uint8_t* __restrict__ P, int64_t ldp, int64_t j0) {
+  ds4_grid_begin();
+  const int64_t j = j0 + blockIdx.y;
+  const float* x = X + static_cast<int64_t>(j / ncols) * x_member + static_cast<int64_t>(j % ncols) * ldx;
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * kPlanesPrepThreads + threadIdx.x;
+  const int64_t u = t / kPlaneThreads;
+  const int w = static_cast<int>(t % kPlaneThreads);
+  const bool live = u < units;  // every lane takes part in the shuffles
+  const float4 v = live ? ds4_ldg(reinterpret_cast<const float4*>(x + 32 * u) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
+  uint32_t amax = abs_bits_max(v);
+#pragma unroll
+  for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
+  float s_inv, s256;
+  plane_scale(amax, &s_inv, &s256);
+  uint32_t w0, w1, w2;
+  int32_t m = plane_words(v, s_inv, &w0, &w1, &w2);
+#pragma unroll
+  for (int o = 1; o < kPlaneThreads / 2; o <<= 1) m += ds4_shfl_xor(m, o);  // integers: any order
+  if (live) {
+    uint32_t* rec = reinterpret_cast<uint32_t*>(P + static_cast<int64_t>(j) * ldp + kPlaneBytes * u);
+    rec[w] = w0;
+    rec[8 + w] = w1;
+    rec[16 + w] = w2;
+    if (w == 0) reinterpret_cast<float*>(rec)[kPlaneScaleOff / 4] = s256;
+    if (w % (kPlaneThreads / 2) == 0) reinterpret_cast<int32_t*>(rec)[kPlaneScaleOff / 4 + 1 + w / 4] = m;
+  }
+}
+
+}  // namespace
 
 bool int8_on() { return env_switch(g_int8, "DS4_GPU_MV_INT8"); }
 void set_matvec_int8(bool on) { g_int8.store(on ? 1 : 0, std::memory_order_relaxed); }
@@ -975,20 +1022,21 @@ int matvec_grouped_width() { return grouped_width_now(); }
 
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream, int max_cols) {
+                    int64_t ldy, Stream stream, int max_cols, int64_t x_rows) {
   if (!matvec_uses_mma(W)) {
     matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols,
-                   MatvecScratch{});
+                   MatvecScratch{}, x_rows);
     return;
   }
   with_module_scratch(matvec_grouped_scratch_bytes(W, max_parts), stream, [&](const MatvecScratch& scratch) {
-    matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols, scratch);
+    matvec_grouped(W, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, Y, ldy, stream, max_cols, scratch,
+                   x_rows);
   });
 }
 
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch) {
+                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch, int64_t x_rows) {
   const int64_t units = check_weights(W, "GPU grouped matvec");
   check_activations(X, ldx, "GPU grouped matvec");
   if (max_parts < 0 || max_parts > 65535) throw std::invalid_argument("GPU grouped matvec: max_parts must be 0..65535");
@@ -999,13 +1047,21 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
     return;
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The own kernel's integer products read X's planes, made here for the x_rows rows of X (unknown
+  // x_rows: matvec_grouped_kernel builds them lane by lane, the same bytes).
+  PlanesLease lease;
+  GroupedPlanes gp;
+  if (planes_for(W) && x_rows > 0 && own_takes(W, units)) {
+    lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch.planes, scratch.planes_bytes, s);
+    gp = GroupedPlanes{lease.data, lease.ldp};
+  }
   switch (W.type) {
-    case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::F16: launch_grouped<kF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::BF16: launch_grouped<kBF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::Q8_0: launch_grouped<kQ8_0>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::Q4_K: launch_grouped<kQ4_K>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
-    case DType::MXFP4: launch_grouped<kMXFP4>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s); break;
+    case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
+    case DType::F16: launch_grouped<kF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
+    case DType::BF16: launch_grouped<kBF16>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
+    case DType::Q8_0: launch_grouped<kQ8_0>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
+    case DType::Q4_K: launch_grouped<kQ4_K>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
+    case DType::MXFP4: launch_grouped<kMXFP4>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
     default: throw std::invalid_argument("GPU grouped matvec: unsupported weight type");
   }
   DS4_GPU_CHECK_LAUNCH("matvec_grouped_kernel");

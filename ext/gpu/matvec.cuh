@@ -327,15 +327,38 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
 
   // Unit u of every row, decoded once and applied to every column, elements in a fixed order.
   auto apply = [&](const typename U::Raw (&raw)[R], int64_t u) {
-    if constexpr (XLoad::kPlanes) {
+    if constexpr (XLoad::kPlanes && T == kQ8_0) {
       // Integer Q8_0 (xplanes.cuh): per column, the unit's planes once, then every row.
-      static_assert(T == kQ8_0, "the planes serve Q8_0 products only");
 #pragma unroll
       for (int c = 0; c < NC; ++c) {
         UnitPlanes xp;
         xload.planes(c, u, xp);
 #pragma unroll
         for (int r = 0; r < R; ++r) acc[r][c] = q8_planes_dot(raw[r].q, raw[r].d_256, xp, acc[r][c]);
+      }
+    } else if constexpr (XLoad::kPlanes) {
+      // Integer Q4_K: the unit's low nibbles are half h of X unit xa, its high nibbles half h of
+      // unit xa + 1 (Unit<kQ4_K>::k_of); per column both halves' planes, then every row, low first.
+      static_assert(T == kQ4_K, "the planes serve Q8_0 and Q4_K products only");
+      const int cq = static_cast<int>(u >> 1) & 3, h = static_cast<int>(u) & 1;
+      const int64_t xa = 8 * (u >> 3) + 2 * cq;
+#pragma unroll
+      for (int c = 0; c < NC; ++c) {
+        HalfPlanes lo, hi;
+        xload.half(c, xa, h, lo);
+        xload.half(c, xa + 1, h, hi);
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t wq[4] = {raw[r].qs.x, raw[r].qs.y, raw[r].qs.z, raw[r].qs.w};
+          uint32_t nl[4], nh[4];
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            nl[i] = wq[i] & 0x0f0f0f0fu;
+            nh[i] = (wq[i] >> 4) & 0x0f0f0f0fu;
+          }
+          acc[r][c] = q4k_planes_dot(nl, raw[r].dl0, raw[r].ml0, lo, acc[r][c]);
+          acc[r][c] = q4k_planes_dot(nh, raw[r].dl1, raw[r].ml1, hi, acc[r][c]);
+        }
       }
     } else {
 #pragma unroll
@@ -547,7 +570,7 @@ constexpr int dense_dynamic_smem() {
   return SHAPE == kDenseTall2 ? chunk_buffer_bytes<T>(dense_rows_per_warp(NC, SHAPE), kMatvecWarps, 2) : 0;
 }
 
-// PL (Q8_0 only): X is a planes buffer (xplanes.cuh), ldx and batch.x in bytes.
+// PL (Q8_0, Q4_K): X is a planes buffer (xplanes.cuh), ldx and batch.x in bytes.
 template <int T, int NC, int SHAPE, bool PL = false>
 __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     matvec_dense_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
@@ -626,7 +649,7 @@ __host__ __device__ constexpr int staged_wbuf_bytes() {
   return Unit<T>::kChunkBytes > 0 ? chunk_buffer_bytes<T>(kStagedRows, kStagedWarps, 2) : 0;
 }
 
-// PL (Q8_0 only): X is a planes buffer (xplanes.cuh; ldx, batch.x in bytes), copied as it is: the
+// PL (Q8_0, Q4_K): X is a planes buffer (xplanes.cuh; ldx, batch.x in bytes), copied as it is: the
 // columns take NC * units * kPlaneBytes of shared memory (less than the floats' NC * col4 * 16).
 template <int T, int NC, bool PL = false>
 __global__ void __launch_bounds__(kStagedThreads)
@@ -703,7 +726,7 @@ struct GatherOff {
 // The grouped kernel's shared chunk buffer: sized for the widest R it runs (narrow parts).
 constexpr int kGroupedRows = rows_per_warp(1) > rows_per_warp(kMaxPartCols) ? rows_per_warp(1) : rows_per_warp(kMaxPartCols);
 
-// LP (Q8_0 only): the integer products, the planes built by each lane (LanePlanesX).
+// LP (Q8_0, Q4_K): the integer products, the planes built by each lane (LanePlanesX).
 template <int T, int NC, bool LP>
 __device__ __forceinline__ void grouped_part(const uint8_t* We, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                                              const float* X, const int32_t* lanes, int64_t ldx, float* Y,
@@ -738,8 +761,8 @@ __device__ __forceinline__ void grouped_part_nc(int nc, const uint8_t* We, int64
   }
 }
 
-// planes: Q8_0 products take the integer arithmetic (xplanes.cuh, LanePlanesX), as the dense
-// products do with the switch on, so every pair still equals its dense product.
+// planes: Q8_0 and Q4_K products take the integer arithmetic (xplanes.cuh, LanePlanesX), as the
+// dense products do with the switch on, so every pair still equals its dense product.
 // MAXC (1, 2, 4 or 8): the widest sub-part a block runs, chosen by the launcher from the lanes of
 // the step (a part has at most one pair per lane unless a lane routes twice to one expert, which
 // the sub-parts cover): the register file and the grid are sized for it, so a decode step of one
@@ -774,8 +797,8 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(MAXC))
       lanes[c] = x_row != nullptr ? x_row[pair] : pair;
     }
     __syncthreads();
-    if (T == kQ8_0 && planes)
-      grouped_part_nc<T, MAXC, T == kQ8_0>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part,
+    if ((T == kQ8_0 || T == kQ4_K) && planes)
+      grouped_part_nc<T, MAXC, T == kQ8_0 || T == kQ4_K>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part,
                                            chunked, wbuf);
     else
       grouped_part_nc<T, MAXC, false>(nc, We, row_bytes, rows, units, ks, X, lanes, ldx, Y, ids, ldy, part, chunked,
@@ -958,6 +981,33 @@ __device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const fl
   }
 }
 
+// The integer form of grouped_own_apply (xplanes.cuh): rec[c] is column c's planes record of the X
+// unit under the lane's low nibbles (the high nibbles' is the next record), h the lane's half.
+template <int R, int NC>
+__device__ __forceinline__ void grouped_own_apply_planes(const uint4 (&qs)[R], const float (&dl0)[R],
+                                                         const float (&ml0)[R], const float (&dl1)[R],
+                                                         const float (&ml1)[R], const uint8_t* const (&rec)[NC], int h,
+                                                         float (&acc)[R][NC]) {
+#pragma unroll
+  for (int c = 0; c < NC; ++c) {
+    HalfPlanes lo, hi;
+    load_half_planes<true>(rec[c], h, lo);
+    load_half_planes<true>(rec[c] + kPlaneBytes, h, hi);
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint32_t wq[4] = {qs[r].x, qs[r].y, qs[r].z, qs[r].w};
+      uint32_t nl[4], nh[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        nl[i] = wq[i] & 0x0f0f0f0fu;
+        nh[i] = (wq[i] >> 4) & 0x0f0f0f0fu;
+      }
+      acc[r][c] = q4k_planes_dot(nl, dl0[r], ml0[r], lo, acc[r][c]);
+      acc[r][c] = q4k_planes_dot(nh, dl1[r], ml1[r], hi, acc[r][c]);
+    }
+  }
+}
+
 // Where the own body's sums go. GroupedStore: one product, Y[off] = v. A store with kPair true
 // runs two products of the same shape at once (matvec_fused.cu's gate/up pair): a warp's R row
 // slots are R/2 rows of the first matrix (We) and the same R/2 rows of the second (We2), and the
@@ -973,12 +1023,14 @@ struct GroupedStore {
 // R/2 (R = grouped_own_rows_nc(NC) row slots); buf: this warp's stages x R chunks. Row slot r
 // holds row r0 + r of We, or (kPair, r >= H) row r0 + r - H of We2: a slot's arithmetic is the
 // same whichever matrix it reads, so every sum has the bits of the one-product body.
-template <int NC, int KS, bool FAST, class Store>
+// PL: the integer products, X's planes (xplanes.cuh) at planes + (X row) * ldp.
+template <int NC, int KS, bool FAST, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, const uint8_t* __restrict__ We2,
                                                  int64_t row_bytes, int rows, int r0, int units,
                                                  const int32_t* __restrict__ pairs, const int32_t* __restrict__ x_row,
                                                  const float* __restrict__ X, int64_t ldx, const Store& store,
-                                                 int64_t ldy, uint8_t* buf, int stages) {
+                                                 int64_t ldy, uint8_t* buf, int stages,
+                                                 const uint8_t* __restrict__ planes, int64_t ldp) {
   constexpr int R = grouped_own_rows_nc(NC);
   static_assert(!Store::kPair || R % 2 == 0, "a paired warp takes as many rows of each matrix");
   constexpr int H = Store::kPair ? R / 2 : R;  // output rows of the warp
@@ -1018,11 +1070,13 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
   // k = Unit<kQ4_K>::k_of(u, g) = 1024 q + 256 (l >> 3) + 64 c + 16 h + q4k_group_k(g).
   const int lane_k = 256 * (lane >> 3) + 64 * ((lane >> 1) & 3) + 16 * (lane & 1);
   const float* xp[NC];
+  const uint8_t* rp[NC];  // PL: the record of X unit lane_k / 32 (the lane's low nibbles) in pass 0
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     const int32_t pair = pairs[c];
     const int32_t xr = x_row != nullptr ? x_row[pair] : pair;
     xp[c] = X + static_cast<int64_t>(xr) * ldx + lane_k;
+    if constexpr (PL) rp[c] = planes + static_cast<int64_t>(xr) * ldp + (lane_k / 32) * kPlaneBytes;
   }
   const int cpos = (lane >> 1) & 3;
   const int head_off = 144 * (lane >> 3), qs_off = head_off + 16 + 16 * (lane & 7);
@@ -1067,12 +1121,22 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
               m1[r] = 2.0f * dl1[r];
             }
           }
-          const float* xq[NC];
+          if constexpr (PL) {
+            const uint8_t* rq[NC];
+            float ml0[R], ml1[R];
 #pragma unroll
-          for (int c = 0; c < NC; ++c) xq[c] = xp[c] + 1024 * q;
-          // One form for all R rows of the lane's pass: the one-fma form only where every row allows it.
-          if (FAST && fast) grouped_own_apply<true, R, NC>(qs, m0, c0, m1, c1, xq, acc[s]);
-          else grouped_own_apply<false, R, NC>(qs, dl0, a0, dl1, a1, xq, acc[s]);
+            for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
+#pragma unroll
+            for (int r = 0; r < R; ++r) ml0[r] = -a0[r], ml1[r] = -a1[r];
+            grouped_own_apply_planes<R, NC>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, acc[s]);
+          } else {
+            const float* xq[NC];
+#pragma unroll
+            for (int c = 0; c < NC; ++c) xq[c] = xp[c] + 1024 * q;
+            // One form for all R rows of the lane's pass: the one-fma form only where every row allows it.
+            if (FAST && fast) grouped_own_apply<true, R, NC>(qs, m0, c0, m1, c1, xq, acc[s]);
+            else grouped_own_apply<false, R, NC>(qs, dl0, a0, dl1, a1, xq, acc[s]);
+          }
         }
         ds4_syncwarp();  // every lane is done with stage st before it is filled again
         st = st + 1 == stages ? 0 : st + 1;
@@ -1107,11 +1171,11 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
 // (R the body's rows per warp), so every width covers the same rows with the same blocks. A slot
 // is a row (one product) or, Store::kPair, half a row of each product: a block then covers
 // RM * 2 rows of both.
-template <int NC, int KS, bool FAST, int RM, class Store>
+template <int NC, int KS, bool FAST, int RM, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const uint8_t* We2, int64_t row_bytes,
                                                int rows, int units, const int32_t* pairs, const int32_t* x_row,
                                                const float* X, int64_t ldx, const Store& store, int64_t ldy,
-                                               uint8_t* buf, int stages) {
+                                               uint8_t* buf, int stages, const uint8_t* planes, int64_t ldp) {
   if (nc == NC) {
     constexpr int R = grouped_own_rows_nc(NC);
     static_assert(RM % R == 0, "a block's rows are whole row groups of every width");
@@ -1122,12 +1186,12 @@ __device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const 
     for (int g = 0; g < RM / R; ++g) {
       const int r0 = b0 + (g * kMatvecWarps + warp) * H;
       if (r0 >= rows) break;  // no barrier follows: no other warp waits for this one
-      grouped_own_part<NC, KS, FAST>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx, store, ldy, buf,
-                                     stages);
+      grouped_own_part<NC, KS, FAST, Store, PL>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx, store, ldy,
+                                                buf, stages, planes, ldp);
     }
   } else if constexpr (NC > 1) {
-    grouped_own_nc<NC - 1, KS, FAST, RM>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx, store, ldy, buf,
-                                         stages);
+    grouped_own_nc<NC - 1, KS, FAST, RM, Store, PL>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx, store,
+                                                    ldy, buf, stages, planes, ldp);
   }
 }
 
@@ -1143,13 +1207,15 @@ __host__ __device__ constexpr int grouped_own_block_rows(int maxc, bool pair) {
 #ifndef DS4_MV_OWN_MINB
 #define DS4_MV_OWN_MINB 1
 #endif
-template <int MAXC, int KS, bool FAST, class Store>
+// PL: the integer products (planes: X's planes, a row of them ldp bytes).
+template <int MAXC, int KS, bool FAST, class Store, bool PL = false>
 __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
     matvec_grouped_own_kernel(const uint8_t* __restrict__ W, const uint8_t* __restrict__ W2, int64_t expert_bytes,
                               int64_t row_bytes, int rows, int units, const ExpertPartDev* __restrict__ parts,
                               const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                               const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
-                              const Store store, int64_t ldy, int stages) {
+                              const Store store, int64_t ldy, int stages, const uint8_t* __restrict__ planes,
+                              int64_t ldp) {
   ds4_grid_begin();
   extern __shared__ __align__(16) uint8_t grouped_own_buf[];
   const int p = static_cast<int>(blockIdx.y);
@@ -1162,9 +1228,9 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
   const uint8_t* We2 = Store::kPair ? W2 + eoff : We;
   for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
     const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
-    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC)>(nc, We, We2, row_bytes, rows, units,
-                                                           sorted_pairs + pt.first + c0, x_row, X, ldx, store, ldy,
-                                                           buf, stages);
+    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC), Store, PL>(nc, We, We2, row_bytes, rows, units,
+                                                                       sorted_pairs + pt.first + c0, x_row, X, ldx,
+                                                                       store, ldy, buf, stages, planes, ldp);
   }
 }
 
@@ -1214,7 +1280,7 @@ __device__ __forceinline__ void multi_product(const MultiProduct& p, const Multi
   const int64_t nb = (p.rows + br - 1) / br;
   const int64_t b = static_cast<int64_t>(blockIdx.x) - p.first_block;
   // One row block: b_step = b_end = nb ends the loop after it.
-  if constexpr (T == kQ8_0) {
+  if constexpr (T == kQ8_0 || T == kQ4_K) {
     if (a.planes != nullptr) {
       matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, b, nb, nb,
                                  PlanesX<DenseOff, true>{a.planes, DenseOff{a.ldp}}, p.Y, DenseOff{p.ldy}, part,

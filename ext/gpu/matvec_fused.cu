@@ -202,7 +202,8 @@ struct GatedStore {
 template <int MAXC>
 bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units, int ks, const ExpertPart* parts,
                       const int32_t* n_parts, int max_parts, const int32_t* sorted_pairs, const int32_t* x_row,
-                      const float* X, int64_t ldx, const GatedStore& store, int64_t ldy, cudaStream_t s) {
+                      const float* X, int64_t ldx, const GatedStore& store, int64_t ldy, cudaStream_t s,
+                      const PlanesLease& planes) {
   const int64_t rows = Wg.ne[1];
   const int stages = matvec_grouped_stages();
   const int64_t block_rows = grouped_own_block_rows(MAXC, true);
@@ -210,14 +211,18 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   const int64_t expert_bytes = Wg.row_bytes() * rows;
+  auto go = [&](auto kernel) {
+    launch(kernel, grid, kMatvecThreads, smem, s, Wg.data, Wu.data, expert_bytes, Wg.row_bytes(),
+           static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, store, ldy,
+           stages, planes.data, planes.ldp);
+  };
+  const bool pl = planes.data != nullptr;
   if (ks == 1) {
-    launch(matvec_grouped_own_kernel<MAXC, 1, false, GatedStore>, grid, kMatvecThreads, smem, s,
-        Wg.data, Wu.data, expert_bytes, Wg.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
-        sorted_pairs, x_row, X, ldx, store, ldy, stages);
+    if (pl) go(matvec_grouped_own_kernel<MAXC, 1, false, GatedStore, true>);
+    else go(matvec_grouped_own_kernel<MAXC, 1, false, GatedStore>);
   } else {
-    launch(matvec_grouped_own_kernel<MAXC, 2, false, GatedStore>, grid, kMatvecThreads, smem, s,
-        Wg.data, Wu.data, expert_bytes, Wg.row_bytes(), static_cast<int>(rows), static_cast<int>(units), pd, n_parts,
-        sorted_pairs, x_row, X, ldx, store, ldy, stages);
+    if (pl) go(matvec_grouped_own_kernel<MAXC, 2, false, GatedStore, true>);
+    else go(matvec_grouped_own_kernel<MAXC, 2, false, GatedStore>);
   }
   DS4_GPU_CHECK_LAUNCH("matvec_grouped_own_kernel (gate/up pair)");
   return true;
@@ -262,10 +267,11 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
       products[n_products++] = p;
     }
   }
-  // One set of planes of X serves every Q8_0 product (the integer products, xplanes.cuh).
+  // One set of planes of X serves every Q8_0 and Q4_K product (the integer products, xplanes.cuh).
   PlanesLease planes;
   bool any_q8 = false;
-  for (int i = 0; i < n_products; ++i) any_q8 = any_q8 || (products[i].W.type == DType::Q8_0 && products[i].W.ne[1] > 0);
+  for (int i = 0; i < n_products; ++i)
+    any_q8 = any_q8 || ((products[i].W.type == DType::Q8_0 || products[i].W.type == DType::Q4_K) && products[i].W.ne[1] > 0);
   if (any_q8 && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch.planes, scratch.planes_bytes, s);
   if (!fuse_on() || ncols > kMultiMaxCols) {
     for (int i = 0; i < n_products; ++i) {
@@ -326,7 +332,8 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
 
 bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const ExpertPart* parts, const int32_t* n_parts,
                          int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                         float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols) {
+                         float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols,
+                         int64_t x_rows, const MatvecScratch& scratch) {
   // Where matvec_grouped would run the own body (matvec.cu's launch_grouped_own_maxc): the default
   // variant, Q4_K with the chunked loads, an expert below 2^31 bytes, KS <= 2; and parts run at
   // most 4 columns wide (the pair is not built for the 8-wide own body).
@@ -347,11 +354,21 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const Exper
   if (max_cols > 4 && matvec_grouped_width() >= 8) return false;
   const GatedStore store{G, U, swiglu_limit};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  // The integer products read X's planes (its x_rows rows); without x_rows, decline (matvec_grouped
+  // then builds them lane by lane).
+  PlanesLease planes;
+  if (matvec_int8()) {
+    if (x_rows <= 0) return false;
+    planes = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, Wg.ne[0], scratch.planes, scratch.planes_bytes, s);
+  }
   if (max_cols <= 1)
-    return launch_pair_maxc<1>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s);
+    return launch_pair_maxc<1>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s,
+                               planes);
   if (max_cols <= 2)
-    return launch_pair_maxc<2>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s);
-  return launch_pair_maxc<4>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s);
+    return launch_pair_maxc<2>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s,
+                               planes);
+  return launch_pair_maxc<4>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s,
+                             planes);
 }
 
 // --- testing: host buffers -------------------------------------------------------------------------
@@ -448,12 +465,12 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const float
   const bool fused = ds4::gpu::matvec_grouped_pair(dg, du, parts.as<ExpertPart>(), n_parts.as<int32_t>(), n_pairs,
                                                    sorted.as<int32_t>(), xr.as<int32_t>(), x.as<float>(), K,
                                                    g.as<float>(), swiglu ? nullptr : u.as<float>(), rows,
-                                                   swiglu_limit, nullptr, max_cols);
+                                                   swiglu_limit, nullptr, max_cols, x_rows);
   if (!fused) {  // the engine's separate launches
     ds4::gpu::matvec_grouped(dg, parts.as<ExpertPart>(), n_parts.as<int32_t>(), n_pairs, sorted.as<int32_t>(),
-                             xr.as<int32_t>(), x.as<float>(), K, g.as<float>(), rows, nullptr, max_cols);
+                             xr.as<int32_t>(), x.as<float>(), K, g.as<float>(), rows, nullptr, max_cols, x_rows);
     ds4::gpu::matvec_grouped(du, parts.as<ExpertPart>(), n_parts.as<int32_t>(), n_pairs, sorted.as<int32_t>(),
-                             xr.as<int32_t>(), x.as<float>(), K, u.as<float>(), rows, nullptr, max_cols);
+                             xr.as<int32_t>(), x.as<float>(), K, u.as<float>(), rows, nullptr, max_cols, x_rows);
     if (swiglu) ds4::gpu::swiglu(g.as<float>(), u.as<float>(), n_pairs, rows, swiglu_limit, nullptr);
   }
   DS4_GPU_CHECK(cudaDeviceSynchronize());

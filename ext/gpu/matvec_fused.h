@@ -90,7 +90,7 @@ void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, co
                     int staged_min, const MatvecScratch& scratch);
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,
-                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch);
+                    int64_t ldy, Stream stream, int max_cols, const MatvecScratch& scratch, int64_t x_rows = 0);
 
 // Every products[i] computed as matvec(W_i, X, ncols, ldx, Y_i, ldy_i, stream, tall, staged_min)
 // would compute it (the same bits), with fewer launches: the products matvec would send to its
@@ -115,9 +115,11 @@ int matvec_multi(const MatvecProduct* products, int n_products, const float* X, 
 // stacks of one shape that it takes, parts run at most 4 columns wide; otherwise, with fusion off,
 // and where either stack takes the tensor-core kernels (matvec_uses_mma), it launches nothing and
 // returns false: the caller makes the separate launches.
+// x_rows, scratch: as matvec_grouped's (with the integer products on and x_rows 0 it declines).
 bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const ExpertPart* parts, const int32_t* n_parts,
                          int max_parts, const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx,
-                         float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols = 8);
+                         float* G, float* U, int64_t ldy, float swiglu_limit, Stream stream, int max_cols = 8,
+                         int64_t x_rows = 0, const MatvecScratch& scratch = MatvecScratch{});
 
 // Fusion on (default; DS4_GPU_MV_FUSE=0 turns it off) or off, process-wide; read at launch.
 void set_matvec_fuse(bool on);

@@ -149,7 +149,7 @@ void matvec_grouped(const TensorView& W, const float* X, int64_t x_rows, int64_t
   build_expert_parts(pe.as<int32_t>(), n_pairs, static_cast<int>(n_expert), max_part, sorted.as<int32_t>(),
                      parts.as<ExpertPart>(), n_parts.as<int32_t>(), nullptr);
   ds4::gpu::matvec_grouped(dv, parts.as<ExpertPart>(), n_parts.as<int32_t>(), n_pairs, sorted.as<int32_t>(),
-                           xr.as<int32_t>(), x.as<float>(), ld, y.as<float>(), rows, nullptr, max_cols);
+                           xr.as<int32_t>(), x.as<float>(), ld, y.as<float>(), rows, nullptr, max_cols, x_rows);
   std::vector<float> out(static_cast<size_t>(n_pairs) * rows);
   sync();
   y.download(out.data());

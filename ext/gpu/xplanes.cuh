@@ -29,10 +29,18 @@
 // (LanePlanesX) are the same bytes. What changes is the arithmetic against the float path
 // (DS4_GPU_MV_INT8=0): a different last bit or so, like the tensor-core switch.
 //
+// Q4_K (w = dl q - ml per 32-element sub-block, q in 0..15): a Q4_K unit of matvec.cuh is half a
+// sub-block's 16 nibbles for each of two sub-blocks, and each half is summed on its own: with the
+// half's planes (4 words of each) and M = sum m_i over those 16 elements (exact, stored per half),
+//   S1 = sum q p1, T = 2^8 S1 + sum q p0 (|T| < 2^23), S2 = sum q p2,
+//   acc = fmaf(dl s, fmaf(float(S2), 2^16, float(T)), fmaf(-ml s, float(M), acc))
+// (dl s and ml s exact: a float of at most 17 significant bits times a power of two).
+//
 // Layout: a column's planes are `units` records of kPlaneBytes: p0 words 0..7 (elements 4w..4w+3,
-// byte j = element 4w + j), p1 words, p2 words, then the float 256 s at byte 96 (12 bytes of
-// padding keep a record 16-byte aligned and let 8 lanes read 8 consecutive records' 16-byte
-// pieces without a shared-memory bank conflict).
+// byte j = element 4w + j), p1 words, p2 words, then the float 256 s at byte 96 and the int32 sums
+// M of elements 0..15 and 16..31 at bytes 100 and 104 (the 4 bytes of padding keep a record 16-byte
+// aligned and let 8 lanes read 8 consecutive records' 16-byte pieces without a shared-memory bank
+// conflict).
 #pragma once
 
 #include <cstdint>
@@ -42,13 +50,21 @@
 namespace ds4::gpu {
 
 constexpr int kPlaneBytes = 112;
-constexpr int kPlaneScaleOff = 96;
+constexpr int kPlaneScaleOff = 96;  // then M of the two halves, int32 each
 constexpr int kPlaneThreads = 8;  // threads that build one unit's record in the prep kernel
 
 // One unit's planes of one column, as a lane holds them.
 struct UnitPlanes {
   uint32_t p0[8], p1[8], p2[8];
   float s256;  // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
+  int32_t m[2];  // sum of m_i over elements 0..15, 16..31
+};
+
+// Half h of a unit's planes (elements 16h .. 16h + 15).
+struct HalfPlanes {
+  uint32_t p0[4], p1[4], p2[4];
+  float s256;
+  int32_t m;
 };
 
 // 1 / s (a power of two; 0 for a zero unit or one holding an inf or NaN) and 256 s (NaN for the
@@ -70,7 +86,7 @@ __device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, fl
 // The three digit bytes of x / s rounded to the nearest integer (ties to even): x * s_inv is exact
 // (a power of two) or, where it underflows, far below 1/2 and rounds to 0 either way; adding
 // 1.5 * 2^23 rounds it to an integer (|x * s_inv| < 2^22), and the float's low bits are that integer.
-__device__ __forceinline__ void plane_digits(float x, float s_inv, uint32_t* d0, uint32_t* d1, uint32_t* d2) {
+__device__ __forceinline__ int32_t plane_digits(float x, float s_inv, uint32_t* d0, uint32_t* d1, uint32_t* d2) {
   const float t = __fadd_rn(__fmul_rn(x, s_inv), 12582912.0f);
   const int m = static_cast<int>(ds4_float_to_bits(t)) - 0x4B400000;
   const int p0 = static_cast<int>(static_cast<uint32_t>(m) << 24) >> 24;
@@ -80,16 +96,18 @@ __device__ __forceinline__ void plane_digits(float x, float s_inv, uint32_t* d0,
   *d0 = static_cast<uint32_t>(p0) & 0xffu;
   *d1 = static_cast<uint32_t>(p1) & 0xffu;
   *d2 = static_cast<uint32_t>(p2) & 0xffu;
+  return m;
 }
 
-// The plane words of four consecutive elements (element j in byte j).
-__device__ __forceinline__ void plane_words(float4 v, float s_inv, uint32_t* w0, uint32_t* w1, uint32_t* w2) {
+// The plane words of four consecutive elements (element j in byte j); returns their sum of m.
+__device__ __forceinline__ int32_t plane_words(float4 v, float s_inv, uint32_t* w0, uint32_t* w1, uint32_t* w2) {
   const float e[4] = {v.x, v.y, v.z, v.w};
   uint32_t a = 0, b = 0, c = 0;
+  int32_t sum = 0;
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     uint32_t d0, d1, d2;
-    plane_digits(e[j], s_inv, &d0, &d1, &d2);
+    sum += plane_digits(e[j], s_inv, &d0, &d1, &d2);
     a |= d0 << (8 * j);
     b |= d1 << (8 * j);
     c |= d2 << (8 * j);
@@ -97,6 +115,7 @@ __device__ __forceinline__ void plane_words(float4 v, float s_inv, uint32_t* w0,
   *w0 = a;
   *w1 = b;
   *w2 = c;
+  return sum;
 }
 
 __device__ __forceinline__ uint32_t abs_bits_max(float4 v) {
@@ -121,6 +140,50 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
   return fmaf(f, d_256 * xp.s256, acc);
 }
 
+// Sixteen Q4_K nibbles (n: 4 words of bytes 0..15) of a sub-block with (dl, ml) against the matching
+// half of one column's planes, added to acc as the header describes.
+__device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
+                                                float acc) {
+  int s1 = 0, s2 = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s1 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p1[i]), s1);
+    s2 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p2[i]), s2);
+  }
+  int t = s1 * 256;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p0[i]), t);
+  const float s = xp.s256 * 0.00390625f;  // exact
+  const float f = fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
+  return fmaf(dl * s, f, fmaf(-(ml * s), static_cast<float>(xp.m), acc));
+}
+
+// The half h of a unit record at p (global or shared).
+template <bool GLOBAL>
+__device__ __forceinline__ void load_half_planes(const uint8_t* p, int h, HalfPlanes& xp) {
+  const uint4* q = reinterpret_cast<const uint4*>(p + 16 * h);
+  const uint4* tail = reinterpret_cast<const uint4*>(p + kPlaneScaleOff);
+  const uint4 a = GLOBAL ? ds4_ldg(q) : q[0], b = GLOBAL ? ds4_ldg(q + 2) : q[2], c = GLOBAL ? ds4_ldg(q + 4) : q[4];
+  const uint4 t = GLOBAL ? ds4_ldg(tail) : tail[0];
+  xp.p0[0] = a.x, xp.p0[1] = a.y, xp.p0[2] = a.z, xp.p0[3] = a.w;
+  xp.p1[0] = b.x, xp.p1[1] = b.y, xp.p1[2] = b.z, xp.p1[3] = b.w;
+  xp.p2[0] = c.x, xp.p2[1] = c.y, xp.p2[2] = c.z, xp.p2[3] = c.w;
+  xp.s256 = ds4_bits_to_float(t.x);
+  xp.m = static_cast<int32_t>(h ? t.z : t.y);
+}
+
+// Half h of a whole unit's planes held in registers.
+__device__ __forceinline__ void half_of(const UnitPlanes& u, int h, HalfPlanes& xp) {
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    xp.p0[i] = h ? u.p0[4 + i] : u.p0[i];
+    xp.p1[i] = h ? u.p1[4 + i] : u.p1[i];
+    xp.p2[i] = h ? u.p2[4 + i] : u.p2[i];
+  }
+  xp.s256 = u.s256;
+  xp.m = u.m[h];
+}
+
 // --- where a kernel finds a unit's planes (matvec_blocks' XLoad with kPlanes) -------------------
 
 // Records kPlaneBytes apart from P + off(c) (bytes), in global memory (GLOBAL: read through the
@@ -135,7 +198,7 @@ struct PlanesX {
     uint4 v[6];
 #pragma unroll
     for (int i = 0; i < 6; ++i) v[i] = GLOBAL ? ds4_ldg(p + i) : p[i];
-    const float s = GLOBAL ? ds4_ldg(reinterpret_cast<const float*>(p + 6)) : *reinterpret_cast<const float*>(p + 6);
+    const uint4 tail = GLOBAL ? ds4_ldg(p + 6) : p[6];
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       xp.p0[4 * i] = v[i].x, xp.p0[4 * i + 1] = v[i].y, xp.p0[4 * i + 2] = v[i].z, xp.p0[4 * i + 3] = v[i].w;
@@ -144,7 +207,13 @@ struct PlanesX {
       xp.p2[4 * i] = v[4 + i].x, xp.p2[4 * i + 1] = v[4 + i].y, xp.p2[4 * i + 2] = v[4 + i].z,
       xp.p2[4 * i + 3] = v[4 + i].w;
     }
-    xp.s256 = s;
+    xp.s256 = ds4_bits_to_float(tail.x);
+    xp.m[0] = static_cast<int32_t>(tail.y);
+    xp.m[1] = static_cast<int32_t>(tail.z);
+  }
+  // Half h of unit xu of column c.
+  __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
+    load_half_planes<GLOBAL>(P + off(c) + kPlaneBytes * xu, h, xp);
   }
 };
 
@@ -167,45 +236,24 @@ struct LanePlanesX {
     }
     float s_inv;
     plane_scale(amax, &s_inv, &xp.s256);
+    xp.m[0] = xp.m[1] = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+    for (int i = 0; i < 8; ++i) xp.m[i / 4] += plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+  }
+  __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
+    UnitPlanes u;
+    planes(c, xu, u);
+    half_of(u, h, xp);
   }
 };
 
-// --- the prep kernel --------------------------------------------------------------------------
+// --- the prep kernel (x_planes_kernel, matvec.cu) ----------------------------------------------
 //
-// Column j (j0 + blockIdx.y) of a call is column j % ncols of batch member j / ncols: floats at
-// X + (j / ncols) * x_member + (j % ncols) * ldx, planes at P + j * ldp. kPlaneThreads threads a
-// unit, each four elements: the unit's largest |x| by a shuffle over its 8 threads, then each
-// thread writes its word of each plane. Bytes: 4 K in, 3.5 K out a column.
+// Column j of a call is column j % ncols of batch member j / ncols: floats at X + (j / ncols) *
+// x_member + (j % ncols) * ldx, planes at P + j * ldp. kPlaneThreads threads a unit, each four
+// elements: the unit's largest |x| by a shuffle over its 8 threads, then each thread writes its word
+// of each plane, and the first of each half its half's sum of m. Bytes: 4 K in, 3.5 K out a column.
 constexpr int kPlanesPrepThreads = 128;
-
-__global__ void __launch_bounds__(kPlanesPrepThreads)
-    x_planes_kernel(const float* __restrict__ X, int64_t ldx, int64_t x_member, int ncols, int64_t units,
-                    uint8_t* __restrict__ P, int64_t ldp, int64_t j0) {
-  ds4_grid_begin();
-  const int64_t j = j0 + blockIdx.y;
-  const float* x = X + static_cast<int64_t>(j / ncols) * x_member + static_cast<int64_t>(j % ncols) * ldx;
-  const int64_t t = static_cast<int64_t>(blockIdx.x) * kPlanesPrepThreads + threadIdx.x;
-  const int64_t u = t / kPlaneThreads;
-  const int w = static_cast<int>(t % kPlaneThreads);
-  const bool live = u < units;  // every lane takes part in the shuffles
-  const float4 v = live ? ds4_ldg(reinterpret_cast<const float4*>(x + 32 * u) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
-  uint32_t amax = abs_bits_max(v);
-#pragma unroll
-  for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
-  float s_inv, s256;
-  plane_scale(amax, &s_inv, &s256);
-  uint32_t w0, w1, w2;
-  plane_words(v, s_inv, &w0, &w1, &w2);
-  if (live) {
-    uint32_t* rec = reinterpret_cast<uint32_t*>(P + static_cast<int64_t>(j) * ldp + kPlaneBytes * u);
-    rec[w] = w0;
-    rec[8 + w] = w1;
-    rec[16 + w] = w2;
-    if (w == 0) reinterpret_cast<float*>(rec)[kPlaneScaleOff / 4] = s256;
-  }
-}
 
 // --- host side (matvec.cu) -----------------------------------------------------------------
 
