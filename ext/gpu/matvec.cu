@@ -689,8 +689,10 @@ __global__ void __launch_bounds__(kPartsThreads)
 template <int NC>
 void prepare_tall2_one() {
   // Above 48 KB of dynamic shared memory a kernel must ask first; failing that, the launch fails
-  // with the usual one-line error.
+  // with the usual one-line error. Both arithmetics (PL: the integer products).
   (void)cudaFuncSetAttribute(reinterpret_cast<const void*>(&matvec_dense_kernel<kQ8_0, NC, kDenseTall2>),
+                             cudaFuncAttributeMaxDynamicSharedMemorySize, dense_dynamic_smem<kQ8_0, NC, kDenseTall2>());
+  (void)cudaFuncSetAttribute(reinterpret_cast<const void*>(&matvec_dense_kernel<kQ8_0, NC, kDenseTall2, true>),
                              cudaFuncAttributeMaxDynamicSharedMemorySize, dense_dynamic_smem<kQ8_0, NC, kDenseTall2>());
   (void)cudaGetLastError();
 }

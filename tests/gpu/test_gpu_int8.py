@@ -1,10 +1,11 @@
-"""The integer Q8_0 products (ext/gpu/xplanes.cuh) against float64, the fp32 path and themselves.
+"""The integer Q8_0 and Q4_K products (ext/gpu/xplanes.cuh) against float64, the fp32 path and themselves.
 
 Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook (``_testing``):
 ``gpu_set_matvec_int8(on) -> bool``, process-wide (DS4_GPU_MV_INT8=0 turns the switch off; it is
 on by default). With it on, a Q8_0 product turns each 32-element unit of X into three planes of
 signed bytes (x = 2^(E-22) * (p0 + 2^8 p1 + 2^16 p2) to 2^-23 of the unit's largest |x|) and sums
-q * p in integers; with it off, every weight is decoded to fp32 and multiplied in.
+q * p in integers (a Q4_K product the same per half sub-block, with the half's sum of m for the
+min term); with it off, every weight is decoded to fp32 and multiplied in.
 
 The rest of the GPU suite runs with the switch at its default (on): the width, staged, tall,
 chunked, batched and grouped bit-identities of test_gpu_kernels.py hold for the integer path there;
@@ -22,7 +23,7 @@ native = pytest.importorskip("ds4_app.engine._native")
 T = native._testing
 pytestmark = pytest.mark.gpu
 
-Q8_0 = 8
+Q8_0, Q4_K = 8, 12
 
 
 @pytest.fixture
@@ -32,9 +33,9 @@ def int8_switch():
     T.gpu_set_matvec_int8(True)
 
 
-def exact(raw: np.ndarray, ne0: int, ne1: int, x: np.ndarray) -> np.ndarray:
-    """The products in float64 from the CPU dequantizer's weights (exact values of d * q)."""
-    w = T.dequantize(Q8_0, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)
+def exact(raw: np.ndarray, ne0: int, ne1: int, x: np.ndarray, t: int = Q8_0) -> np.ndarray:
+    """The products in float64 from the CPU dequantizer's weights (the exact weight values)."""
+    w = T.dequantize(t, raw, ne0 * ne1).reshape(ne1, ne0).astype(np.float64)
     return x.astype(np.float64) @ w.T
 
 
@@ -43,23 +44,25 @@ def test_int8_switch_reads_back(int8_switch) -> None:
     assert int8_switch(True) is True
 
 
+@pytest.mark.parametrize("t", [Q8_0, Q4_K], ids=["Q8_0", "Q4_K"])
 @pytest.mark.parametrize("ne0, ne1", [(4096, 300), (1024, 2100), (8192, 64)])
-def test_int8_error_is_the_size_of_fp32_rounding(int8_switch, ne0: int, ne1: int) -> None:
+def test_int8_error_is_the_size_of_fp32_rounding(int8_switch, t: int, ne0: int, ne1: int) -> None:
     """Both paths within 2^-18 of sum |w x| of the float64 products, and the integer path's largest
     error no more than four times the fp32 path's (it rounds the activations to 2^-23 of each unit's
-    largest and then 3 times a unit, where fp32 rounds 32 times a unit)."""
+    largest and then 3 times a unit, where fp32 rounds 32 times a unit; Q4_K's min term is a
+    separate product, rounded once more)."""
     rng = np.random.default_rng()
-    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    raw = tame_raw(t, ne0 * ne1, rng)
     x = rng.standard_normal((5, ne0)).astype(np.float32)
     x[1] *= 1e-20  # far below 1 and far above it: the unit scale follows the data
     x[2] *= 1e20
     x[3, : ne0 // 2] *= 1e-6  # one unit's worth of very different magnitudes in a column
-    want = exact(raw, ne0, ne1, x)
-    bound = scale_of(Q8_0, raw, ne0, ne1, x)
+    want = exact(raw, ne0, ne1, x, t)
+    bound = scale_of(t, raw, ne0, ne1, x)
     int8_switch(True)
-    got_i = T.gpu_matmul(Q8_0, raw, ne0, ne1, x).astype(np.float64)
+    got_i = T.gpu_matmul(t, raw, ne0, ne1, x).astype(np.float64)
     int8_switch(False)
-    got_f = T.gpu_matmul(Q8_0, raw, ne0, ne1, x).astype(np.float64)
+    got_f = T.gpu_matmul(t, raw, ne0, ne1, x).astype(np.float64)
     err_i, err_f = np.abs(got_i - want) / bound, np.abs(got_f - want) / bound
     assert err_i.max() <= 2.0**-18, err_i.max()
     assert err_f.max() <= 2.0**-18, err_f.max()
@@ -94,7 +97,7 @@ def test_int8_zero_tiny_and_nonfinite_units(int8_switch) -> None:
 
 
 @pytest.mark.parametrize("on", [False, True], ids=["fp32", "int8"])
-def test_both_paths_keep_width_staged_tall_and_grouped_identities(int8_switch, on: bool) -> None:
+def test_both_paths_keep_q8_width_staged_tall_and_grouped_identities(int8_switch, on: bool) -> None:
     """Under either setting: columns of 1..16-wide launches equal single columns (direct, staged and
     tall kernels), batched members equal their own launches, grouped pairs equal their dense
     products (the grouped Q8_0 kernel builds the planes lane by lane: the same bytes)."""
@@ -144,3 +147,38 @@ def test_multi_product_launch_equals_its_products(int8_switch) -> None:
             for g, w in zip(got, want):
                 assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), (on, fuse)
         T.gpu_set_matvec_fuse(True)
+
+
+@pytest.mark.parametrize("on", [False, True], ids=["fp32", "int8"])
+def test_both_paths_keep_q4k_identities(int8_switch, on: bool) -> None:
+    """Q4_K under either setting: columns of wide launches equal single columns (direct and staged),
+    grouped pairs through the own kernel (planes made once for X's rows) and through the pass-5
+    kernel (planes built lane by lane) equal their dense products, and the fused gate/up pair equals
+    the two grouped products."""
+    int8_switch(on)
+    rng = np.random.default_rng()
+    ne0, ne1, n_expert, n_lanes = 2048, 600, 4, 6
+    raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    x = rng.standard_normal((16, ne0)).astype(np.float32)
+    expert_bytes = ne0 // 256 * 144 * ne1
+    w0 = raw[:expert_bytes]
+    single = np.concatenate([T.gpu_matmul(Q4_K, w0, ne0, ne1, x[c : c + 1]) for c in range(16)])
+    for width in (3, 16):
+        for staged in (False, True):
+            y = T.gpu_matmul(Q4_K, w0, ne0, ne1, x[:width], staged=staged)
+            assert np.array_equal(y.view(np.uint32), single[:width].view(np.uint32)), (on, width, staged)
+    pair_expert = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
+    x_row = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
+    want = np.stack([T.gpu_matmul(Q4_K, raw[e * expert_bytes : (e + 1) * expert_bytes], ne0, ne1, x[r : r + 1])[0]
+                     for e, r in zip(pair_expert, x_row)])
+    for variant in (1, 0):  # the own kernel, pass 5
+        T.gpu_set_matvec_grouped(variant)
+        y = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x[:n_lanes], pair_expert, x_row, 8)
+        assert np.array_equal(y.view(np.uint32), want.view(np.uint32)), (on, variant)
+    T.gpu_set_matvec_grouped(1)
+    raw_up = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    g, u, fused = T.gpu_matmul_grouped_pair(Q4_K, raw, raw_up, ne0, ne1, n_expert, x[:n_lanes], pair_expert, x_row, 8, 4)
+    assert fused
+    assert np.array_equal(g.view(np.uint32), want.view(np.uint32)), on
+    u_want = T.gpu_matmul_grouped(Q4_K, raw_up, ne0, ne1, n_expert, x[:n_lanes], pair_expert, x_row, 8)
+    assert np.array_equal(u.view(np.uint32), u_want.view(np.uint32)), on
