@@ -33,7 +33,8 @@ includes the plan upload, every kernel and the logits download). Method:
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
   products; joined by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
-  variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`); the profile runs under each variant (JSON.profile-N.txt);
+  variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
+  the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
   C embedding rows; per lane and layer its attention keys (window and compressed rows, f16) and, on
