@@ -264,12 +264,6 @@ void launch_dense_shape(const TensorView& W, int64_t units, const float* X, int6
   }
   const int64_t br = matvec_block_rows(NC, ks);
   if constexpr (kShortType<T>) {
-    // Fewer rows than SMs and long rows: one row a block of 16 k-slices (matvec_long_kernel).
-    if (!PL && rows * n_batch < device_sms() && units >= kLongMinUnits) {
-      launch(matvec_long_kernel<T, NC>, dim3(static_cast<unsigned>(rows), static_cast<unsigned>(n_batch)), kLongThreads,
-             0, s, W.data, W.row_bytes(), rows, units, X, ldx, Y, ldy, batch);
-      return;
-    }
     // Fewer row blocks (all members together) than SMs: one row a warp, up to R times the blocks.
     if ((rows + br - 1) / br * n_batch < device_sms()) {
       run(matvec_dense_kernel<T, NC, kDenseShort, PL>, static_cast<int64_t>(kMatvecWarps / ks),

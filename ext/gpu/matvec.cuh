@@ -493,8 +493,9 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
   // would (the same order of work, so the same bits). F16/BF16 units (16 bytes) take 2; with one
   // row a warp (the short variant: few rows, long K, so a lane walks many units of one row)
   // F16/BF16 take 8 (F32, twice the bytes a unit: 4), fewer as the columns' accumulators take
-  // the registers (ptxas: no spills up to 8 columns).
-  constexpr int kShortAhead = (T == kF32 ? 4 : 8) / (NC <= 2 ? 1 : NC <= 8 ? 2 : 4);
+  // the registers (ptxas: no spills up to 8 columns). Pass 10: 16 (F32: 8) at 1-2 columns, so the
+  // mHC projections' lanes (16 units of [16384 -> 24] a lane) issue all their loads in one round.
+  constexpr int kShortAhead = (T == kF32 ? 8 : 16) / (NC <= 2 ? 1 : NC <= 8 ? 4 : 8);
   constexpr int A = (R == 1 && (T == kF16 || T == kBF16 || T == kF32)) ? (kShortAhead > 1 ? kShortAhead : 1)
                     : (T == kF16 || T == kBF16) ? 2 : 1;
   ds4_grid_begin();
@@ -598,83 +599,6 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
     X += blockIdx.y * batch.x;
     matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
                                GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
-  }
-}
-
-// --- few rows, long rows: one row a block, 16 k-slices ----------------------------------------
-//
-// Why: the mHC projections [hc d = 16384 -> 24] (F16) ran at 9.8 us a call on kDenseShort (24
-// blocks of 4 k-slice warps, each warp 8 KB of weights in two rounds of loads, ~2% of the memory
-// bandwidth; ext/gpu/README.md "Pass 10"): the bound was the rounds of load latency per warp. Here
-// a block of kLongThreads (16 warps) takes one row, warp w k-slice w: lane l of warp w owns units
-// 32 w + l, + 512, ... (in that order), which for these shapes is one round of loads, all in flight.
-// The 16 warp sums are added by a fixed tree ((s0 + s1) + (s2 + s3)) + ... in shared memory. Like
-// every other shape: one row's arithmetic depends only on the matrix shape (this kernel is chosen
-// from the shape), so each column is bit-identical alone or beside others.
-constexpr int kLongThreads = 512;
-constexpr int kLongWarps = kLongThreads / DS4_WARP;
-constexpr int64_t kLongMinUnits = kLongWarps * DS4_WARP;  // at least one unit a lane
-
-template <int T, int NC>
-__global__ void __launch_bounds__(kLongThreads)
-    matvec_long_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units,
-                       const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
-                       MatvecBatch batch) {
-  using U = Unit<T>;
-  constexpr int A = 4;  // units a lane has in flight
-  const uint8_t* row = W + blockIdx.y * batch.w_bytes + static_cast<int64_t>(blockIdx.x) * row_bytes;
-  X += blockIdx.y * batch.x;
-  Y += blockIdx.y * batch.y;
-  __shared__ float part[kLongWarps][NC];
-  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
-  float acc[NC];
-#pragma unroll
-  for (int c = 0; c < NC; ++c) acc[c] = 0.0f;
-  const int64_t u0 = static_cast<int64_t>(warp) * DS4_WARP + lane;
-  typename U::Raw raw[A];
-  // The first units' weights are constant: load them before waiting for X.
-#pragma unroll
-  for (int a = 0; a < A; ++a)
-    if (u0 + a * kLongThreads < units) U::load(raw[a], row, u0 + a * kLongThreads);
-  ds4_grid_begin();
-  for (int64_t ub = u0; ub < units; ub += A * kLongThreads) {
-    if (ub != u0) {
-#pragma unroll
-      for (int a = 0; a < A; ++a)
-        if (ub + a * kLongThreads < units) U::load(raw[a], row, ub + a * kLongThreads);
-    }
-#pragma unroll
-    for (int a = 0; a < A; ++a) {
-      const int64_t u = ub + a * kLongThreads;
-      if (u < units) {
-#pragma unroll
-        for (int g = 0; g < U::kGroups; ++g) {
-          float w[4];
-          U::decode(raw[a], g, w);
-          const int64_t k = U::k_of(u, g);
-#pragma unroll
-          for (int c = 0; c < NC; ++c)
-            acc[c] = fma4(w, ds4_ldg(reinterpret_cast<const float4*>(X + c * ldx + k)), acc[c]);
-        }
-      }
-    }
-  }
-#pragma unroll
-  for (int c = 0; c < NC; ++c) {
-    const float v = warp_sum(acc[c]);
-    if (lane == 0) part[warp][c] = v;
-  }
-  __syncthreads();
-  if (threadIdx.x < NC) {
-    const int c = static_cast<int>(threadIdx.x);
-    float s[kLongWarps];
-#pragma unroll
-    for (int w = 0; w < kLongWarps; ++w) s[w] = part[w][c];
-#pragma unroll
-    for (int step = 1; step < kLongWarps; step *= 2)
-#pragma unroll
-      for (int w = 0; w + step < kLongWarps; w += 2 * step) s[w] = s[w] + s[w + step];
-    Y[c * ldy + blockIdx.x] = s[0];
   }
 }
 

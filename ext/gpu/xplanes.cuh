@@ -124,37 +124,36 @@ __device__ __forceinline__ uint32_t abs_bits_max(float4 v) {
   return max(max(a, b), max(c, d));
 }
 
-// Unit u of Q8_0 row weights (raw: q words as stored, d_256) against one column's planes xp, added
-// to acc as the header describes.
-__device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_256, const UnitPlanes& xp, float acc) {
+// fmaf(float(S2), 2^16, float(T)) for N words of int8 values q (Q8_0 weights, or Q4_K nibbles as
+// bytes) against the matching N words of each plane: S1 = sum q p1, T = 2^8 S1 + sum q p0 and S2 =
+// sum q p2, exact in 32-bit integers (N <= 8: |T| < 2^28).
+template <int N>
+__device__ __forceinline__ float planes_sum(const uint32_t (&q)[N], const uint32_t (&p0)[N], const uint32_t (&p1)[N],
+                                            const uint32_t (&p2)[N]) {
   int s1 = 0, s2 = 0;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) {
-    s1 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p1[i]), s1);
-    s2 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p2[i]), s2);
+  for (int i = 0; i < N; ++i) {
+    s1 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p1[i]), s1);
+    s2 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p2[i]), s2);
   }
   int t = s1 * 256;
 #pragma unroll
-  for (int i = 0; i < 8; ++i) t = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(xp.p0[i]), t);
-  const float f = fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
-  return fmaf(f, d_256 * xp.s256, acc);
+  for (int i = 0; i < N; ++i) t = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p0[i]), t);
+  return fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
+}
+
+// Unit u of Q8_0 row weights (raw: q words as stored, d_256) against one column's planes xp, added
+// to acc as the header describes.
+__device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_256, const UnitPlanes& xp, float acc) {
+  return fmaf(planes_sum<8>(q, xp.p0, xp.p1, xp.p2), d_256 * xp.s256, acc);
 }
 
 // Sixteen Q4_K nibbles (n: 4 words of bytes 0..15) of a sub-block with (dl, ml) against the matching
 // half of one column's planes, added to acc as the header describes.
 __device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
                                                 float acc) {
-  int s1 = 0, s2 = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    s1 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p1[i]), s1);
-    s2 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p2[i]), s2);
-  }
-  int t = s1 * 256;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) t = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p0[i]), t);
   const float s = xp.s256 * 0.00390625f;  // exact
-  const float f = fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
+  const float f = planes_sum<4>(n, xp.p0, xp.p1, xp.p2);
   return fmaf(dl * s, f, fmaf(-(ml * s), static_cast<float>(xp.m), acc));
 }
 

@@ -12,9 +12,8 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_tall_stages(1 or 2)``: the tall variant's chunk stages (DS4_GPU_MV_TALL_STAGES=2).
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
-row a warp (matvec.cuh's kDenseShort), or, with fewer rows than SMs and rows of at least 512 units,
-one row a block of 16 k-slices (matvec_long_kernel), e.g. the mHC projections [16384 -> 24]; their
-columns must still equal single columns at every width and the CPU within the usual bound.
+row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
+still equal single columns at every width and the CPU within the usual bound.
 
 The engine's logits over decode, packed prompts and several lanes, eager and under graphs, with the
 SIMT and the tensor-core products (whose kernels are launched without the PDL attribute, so the
@@ -120,8 +119,8 @@ def test_tall_two_stages_give_the_same_bits(restore_pdl) -> None:
 
 @pytest.mark.parametrize("t", [F16, BF16, F32], ids=["F16", "BF16", "F32"])
 def test_few_row_matrices_keep_width_exactness(t: int) -> None:
-    """The mHC projection's shape (24 rows of 16384: one row a block of 16 k-slices) and the output
-    head's (4 rows): every width equals single columns bit for bit, and the CPU within 2e-3 of sum |w x|."""
+    """The mHC projection's shape (24 rows of 16384: one row a warp, 24 blocks) and the output head's
+    (4 rows): every width equals single columns bit for bit, and the CPU within 2e-3 of sum |w x|."""
     rng = np.random.default_rng(5)
     for ne0, ne1 in ((16384, 24), (16384, 4)):
         raw = tame_raw(t, ne0 * ne1, rng)
