@@ -493,9 +493,9 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
   // would (the same order of work, so the same bits). F16/BF16 units (16 bytes) take 2; with one
   // row a warp (the short variant: few rows, long K, so a lane walks many units of one row)
   // F16/BF16 take 8 (F32, twice the bytes a unit: 4), fewer as the columns' accumulators take
-  // the registers (ptxas: no spills up to 8 columns). Pass 10: 16 (F32: 8) at 1-2 columns, so the
-  // mHC projections' lanes (16 units of [16384 -> 24] a lane) issue all their loads in one round.
-  constexpr int kShortAhead = (T == kF32 ? 8 : 16) / (NC <= 2 ? 1 : NC <= 8 ? 4 : 8);
+  // the registers (ptxas: no spills up to 8 columns). (Pass 10 tried 16 at 1-2 columns: the mHC
+  // projection stayed at 9.9 us; the X loads inside each unit's fmas are what wait.)
+  constexpr int kShortAhead = (T == kF32 ? 4 : 8) / (NC <= 2 ? 1 : NC <= 8 ? 2 : 4);
   constexpr int A = (R == 1 && (T == kF16 || T == kBF16 || T == kF32)) ? (kShortAhead > 1 ? kShortAhead : 1)
                     : (T == kF16 || T == kBF16) ? 2 : 1;
   ds4_grid_begin();
