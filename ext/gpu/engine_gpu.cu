@@ -25,7 +25,8 @@
 //   step_inputs: one int32 buffer refreshed by one host-to-device copy per step: 10 arrays of
 //     max_rows (lane slot, token, position, group, group start position; lane order by slot;
 //     group first, length, slot; logit lanes) then max_rows block-table rows of max_blocks;
-//   scratch: the activations (device_scratch below, each buffer rounded up to 256 bytes), then,
+//   scratch: the activations and the integer products' planes of X (carve_scratch below, each
+//     buffer rounded up to 256 bytes), then,
 //     with the tensor-core switch on (DS4_GPU_MMA=1), the tensor-core products' scratch
 //     (mma_scratch_need below: the largest any product wants at max_rows columns, the grouped
 //     experts sized for at most kMmaGroupedScratchParts parts; rounded up to 256 bytes);
