@@ -182,3 +182,52 @@ def test_both_paths_keep_q4k_identities(int8_switch, on: bool) -> None:
     assert np.array_equal(g.view(np.uint32), want.view(np.uint32)), on
     u_want = T.gpu_matmul_grouped(Q4_K, raw_up, ne0, ne1, n_expert, x[:n_lanes], pair_expert, x_row, 8)
     assert np.array_equal(u.view(np.uint32), u_want.view(np.uint32)), on
+
+
+def test_engine_on_either_path_matches_the_cpu_and_is_batch_invariant(int8_switch, tmp_path) -> None:
+    """The engine on the tiny preset with each setting: every step from the CPU engine's state
+    within 2e-3 relative, a sequence's logits bit-identical alone and beside two others, graph
+    replay equal to eager launches (the switch is part of the graph key: flipping it captures new
+    graphs), and the two settings within 2e-3 of each other."""
+    from ds4_app.engine.plan import StepPlan
+    from ds4_app.engine.presets import tiny
+    from ds4_app.engine.synth import synthesize
+    from ds4_app.engine.gguf_file import ModelFile
+    from tests.engine_cases import PAGES_PER_SEQ, Seq, prompt, run
+    from tests.gpu.test_gpu_engine import cpu_engine, gpu_engine, rel_err
+
+    path = tmp_path / "tiny.gguf"
+    synthesize(tiny(), path, seed=7)
+    mf = ModelFile.open(path)
+    cpu, gpu = cpu_engine(mf, max_slots=4), gpu_engine(mf, max_slots=4)
+    tokens = prompt(mf, 3, 60)
+    table = [5, 0, 7, 2]
+    logits = {}
+    for on in (True, False):
+        int8_switch(on)
+        for t, tok in enumerate(tokens):
+            native._testing.gpu_sync_slot(cpu, gpu, 1, np.asarray(table, np.int32), t)
+            plan = StepPlan.build([(1, int(tok), t, True)], {1: table}, PAGES_PER_SEQ)
+            want, got = cpu.step(plan), gpu.step(plan)
+            assert rel_err(got, want)[0] <= 2e-3, (on, t)
+        runs = {}
+        for graphs in (False, True):
+            gpu.use_graphs = graphs
+            captured = gpu.graphs_captured
+            alone = Seq(prompt(mf, 5, 40), slot=0, pages=[1, 3], rows=4)
+            for s in (0, 1, 2):
+                gpu.reset_slot(s)
+            a = run(gpu, [alone])[0]
+            for s in (0, 1, 2):
+                gpu.reset_slot(s)
+            beside = run(gpu, [Seq(prompt(mf, 5, 40), slot=0, pages=[1, 3], rows=4),
+                               Seq(prompt(mf, 6, 30), slot=1, pages=[4, 6], rows=1),
+                               Seq(prompt(mf, 7, 25), slot=2, pages=[8, 9], rows=2, start=3)])[0]
+            assert np.array_equal(a.view(np.uint32), beside.view(np.uint32)), (on, graphs)
+            if graphs:
+                assert gpu.graphs_captured > captured, on
+            runs[graphs] = a
+        assert np.array_equal(runs[False].view(np.uint32), runs[True].view(np.uint32)), on
+        logits[on] = runs[False]
+    assert not np.array_equal(logits[True], logits[False])
+    assert (rel_err(logits[True], logits[False]) <= 2e-3).all()
