@@ -269,10 +269,12 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
   }
   // One set of planes of X serves every Q8_0 and Q4_K product (the integer products, xplanes.cuh).
   PlanesLease planes;
-  bool any_q8 = false;
-  for (int i = 0; i < n_products; ++i)
-    any_q8 = any_q8 || ((products[i].W.type == DType::Q8_0 || products[i].W.type == DType::Q4_K) && products[i].W.ne[1] > 0);
-  if (any_q8 && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch.planes, scratch.planes_bytes, s);
+  bool any_planes = false;
+  for (int i = 0; i < n_products; ++i) {
+    const DType t = products[i].W.type;
+    any_planes = any_planes || ((t == DType::Q8_0 || t == DType::Q4_K) && products[i].W.ne[1] > 0);
+  }
+  if (any_planes && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch.planes, scratch.planes_bytes, s);
   if (!fuse_on() || ncols > kMultiMaxCols) {
     for (int i = 0; i < n_products; ++i) {
       const MatvecProduct& p = products[i];
