@@ -50,6 +50,8 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     cbool gpu_set_matvec_mma "ds4::gpu::testing::set_matvec_mma"(cbool on) except +
     cbool gpu_set_pdl "ds4::gpu::testing::set_pdl"(cbool on) except +
     cbool gpu_set_matvec_int8 "ds4::gpu::testing::set_matvec_int8"(cbool on) except +
+    int gpu_set_matvec_imma "ds4::gpu::testing::set_matvec_imma"(int min_cols) except +
+    int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -245,6 +247,18 @@ def _t_gpu_set_matvec_int8(on):
     return bool(gpu_set_matvec_int8(bool(on)))
 
 
+def _t_gpu_set_matvec_imma(int min_cols):
+    """The fewest columns from which a Q8_0 product (integer products on) takes the integer tensor-core
+    kernel (ext/gpu/imma_q8.cu; 0: never; default 32, DS4_GPU_MV_IMMA=N is the environment's way),
+    process-wide. The bits never depend on it. Returns the setting now."""
+    return int(gpu_set_matvec_imma(min_cols))
+
+
+def _t_gpu_imma_launches():
+    """Launches of the integer tensor-core kernel so far in this process."""
+    return int(gpu_imma_launches())
+
+
 def _t_gpu_set_pdl(on):
     """Launch the engine's kernels with programmatic dependent launch (ext/gpu/launch.cuh) or without,
     process-wide (the bits never change; DS4_GPU_PDL=0 is the environment's way). Returns whether it
@@ -393,6 +407,8 @@ _GPU_TESTING = dict(
     gpu_set_matvec_mma=_t_gpu_set_matvec_mma,
     gpu_set_pdl=_t_gpu_set_pdl,
     gpu_set_matvec_int8=_t_gpu_set_matvec_int8,
+    gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
+    gpu_imma_launches=_t_gpu_imma_launches,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

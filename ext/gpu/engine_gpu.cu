@@ -48,6 +48,7 @@
 #include "../engine/weights.h"
 #include "common.cuh"
 #include "ds4_gpu.h"
+#include "imma_q8.h"
 #include "l2_prefetch.h"
 #include "matvec_fused.h"
 #include "mma_matvec.cuh"
@@ -198,8 +199,8 @@ struct GpuEngine::Impl {
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
-  // the L2 prefetch).
-  std::map<std::tuple<int, int, int, bool, bool, int, bool>, cudaGraphExec_t> graph_cache;
+  // the L2 prefetch; the fewest columns a Q8_0 product takes the integer tensor cores from).
+  std::map<std::tuple<int, int, int, bool, bool, int, bool, int>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -863,7 +864,7 @@ void GpuEngine::Impl::launch_step() {
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
-                                   matvec_settings_key(), prefetch);
+                                   matvec_settings_key(), prefetch, matvec_imma());
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

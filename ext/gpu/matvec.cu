@@ -19,6 +19,7 @@
 #include <utility>
 
 #include "ds4_gpu.h"
+#include "imma_q8.h"
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
@@ -761,6 +762,10 @@ void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stri
     lease = prepare_planes(X, ldx, x_stride, ncols, n_batch, W.ne[0], scratch.planes, scratch.planes_bytes, s);
   const uint8_t* P = ready != nullptr ? ready : lease.data;
   const int64_t ldp = ready != nullptr ? ready_ldp : lease.ldp;
+  // Wide Q8_0 calls on the integer tensor cores where they serve: the same bits (imma_q8.cu).
+  if (planes && W.type == DType::Q8_0 &&
+      imma_q8_matvec(W, units, n_batch, w_stride_bytes, P, ldp, ncols, Y, y_stride, ldy, s))
+    return;
   // Planes: member i's column c at P + (i * ncols + c) * ldp, passed where X goes (ldx, batch.x in bytes).
   const MatvecBatch batch{w_stride_bytes, planes ? static_cast<int64_t>(ncols) * ldp : x_stride, y_stride};
   // Wider products run as 16-column chunks: each column is still single-column arithmetic.

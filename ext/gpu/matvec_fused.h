@@ -159,6 +159,10 @@ bool set_matvec_mma(bool on);
 bool set_pdl(bool on);
 // set_matvec_int8(on); returns matvec_int8() after it.
 bool set_matvec_int8(bool on);
+// set_matvec_imma(min_cols) (imma_q8.h: 0 off); returns matvec_imma() after it.
+int set_matvec_imma(int min_cols);
+// Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
+int64_t imma_launches();
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -174,6 +178,8 @@ inline void set_matvec_fuse(bool) { no_backend(); }
 inline bool set_matvec_mma(bool) { no_backend(); }
 inline bool set_pdl(bool) { no_backend(); }
 inline bool set_matvec_int8(bool) { no_backend(); }
+inline int set_matvec_imma(int) { no_backend(); }
+inline int64_t imma_launches() { no_backend(); }
 }  // namespace testing
 
 #endif

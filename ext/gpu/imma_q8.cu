@@ -1,0 +1,351 @@
+// Tensor-core Q8_0 products for wide calls (prompt rows), bit for bit the SIMT integer path.
+//
+// What it computes: Y[c][r] = W[r] . X[c] for a Q8_0 matrix and the planes of X's columns
+// (xplanes.cuh), with the arithmetic of matvec_blocks' integer Q8_0 path, which every SIMT kernel
+// shares (direct, tall, staged, batched, multi, grouped). For row r and column c that is:
+//
+//   unit u (32 elements):  S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 (exact integers)
+//                          f_u = fmaf(float(S2), 2^16, float(T))
+//   lane l of k-slice s:   a[s][l] = fmaf(f_u, d_256(r,u) * s256(c,u), a[s][l]) over its units
+//                          u = 32 (s + KS j) + l, j = 0, 1, ... in increasing order, from +0
+//   each k-slice:          y_s = the butterfly of warp_sum over l (xor 16, 8, 4, 2, 1)
+//   the row:               y = y_0 | y_0 + y_1 | (y_0 + y_1) + (y_2 + y_3)   (KS = 1, 2, 4)
+//
+// with KS = matvec_kslices(rows, units). Here the integer sums come from mma.sync
+// m16n8k32.s8.s8.s32: A = 16 rows x one unit's 32 q, B = one unit's plane bytes x 8 columns. An
+// integer sum is exact in any order, so S1, T and S2 are the dp4a chains' integers (T: the p1
+// product, times 2^8, is the C operand of the p0 product; |T| < 2^28). Everything after them is
+// the same float operations in the same order:
+//
+// - "Virtual lanes": unit u belongs to lane v = u % 32 of k-slice (u / 32) % KS. Warp w of the
+//   block keeps the sums of v = w and v = w + 16 for every output of the block tile, each fed by
+//   its own units in increasing order, so a[s][v] is the SIMT lane's register, operation for
+//   operation. A unit past the row's end is skipped, as the SIMT lane skips it.
+// - The butterfly: lane 0 of warp_sum ends with ((B0 + B4) + (B2 + B6)) + ((B1 + B5) + (B3 + B7)),
+//   B_w = A_w + A_(w+8), A_w = a_w + a_(w+16) (every lane ends with those bits: float addition is
+//   commutative). A warp forms its A_w in registers; the block adds the rest through shared memory
+//   in that order.
+// - K-slices one after another (a slice's chunks, then its sums), their y_s kept per output, added
+//   at the end as the tree above.
+//
+// float(S2) is taken exactly (|S2| <= 2^18) by the exponent trick; float(T) is the I2F the SIMT
+// path's static_cast gives (round to nearest even). So every output equals the SIMT kernels', and
+// a column's bits depend on nothing else in the call (tests/gpu/test_gpu_imma.py checks both).
+//
+// Layout of the work: block (x, y, z) = rows [32x, 32x + 32) x columns [32y, 32y + 32) of member
+// z; 16 warps, each all 32 x 32 outputs (2 m-tiles x 4 n-tiles) for its two virtual lanes. Per
+// chunk of 32 units the block copies its 32 rows' 1088 bytes (cp.async, two stages) into shared
+// memory; each warp reads the A fragments of its units from there and the B fragments (plane
+// words) and scales straight from global memory (L1/L2: every row block reads them).
+// Bytes it must move: the weights once per 32 columns, the planes once per 32 rows (from L2), Y.
+//
+// The k order inside an mma is a free choice (integers): k-slots 4t..4t+3 hold the unit's elements
+// 8t..8t+3 (plane word 2t) and k-slots 16+4t.. the elements 8t+4.. (word 2t+1), so a thread's B
+// words are one 8-byte load and its A words 8 consecutive q bytes.
+#include <algorithm>
+#include <atomic>
+#include <stdexcept>
+
+#include "imma_q8.h"
+#include "launch.cuh"
+#include "matvec.cuh"
+#include "matvec_fused.h"
+#include "xplanes.cuh"
+
+#if defined(DS4_GPU_CUDA) && !(defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIP__))
+#define DS4_IMMA_Q8 1  // this build has the integer tensor-core kernel
+#endif
+
+namespace ds4::gpu {
+
+namespace {
+
+std::atomic<int> g_imma{-1};  // -1: not read from the environment yet
+std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
+
+constexpr int kImmaWarps = 16;
+constexpr int kImmaThreads = kImmaWarps * DS4_WARP;
+constexpr int kImmaMT = 2, kImmaNT = 4;  // m-tiles (16 rows), n-tiles (8 columns) a warp
+constexpr int kImmaRows = 16 * kImmaMT, kImmaCols = 8 * kImmaNT;
+constexpr int kImmaOut = kImmaRows * kImmaCols;
+constexpr int kImmaChunk = 32 * 34;                 // a row's bytes of one chunk of 32 units
+constexpr int kImmaPitch = kImmaChunk + 16;         // shared row pitch (spreads the banks)
+constexpr int kImmaStage = kImmaRows * kImmaPitch;  // one copy stage
+constexpr int kImmaRedPitch = kImmaCols + 1;      // the sums' row pitch (floats; spreads the banks)
+constexpr int kImmaRed = kImmaRows * kImmaRedPitch;  // one warp's sums
+constexpr int kImmaSmem = 2 * kImmaStage + kImmaWarps * kImmaRed * 4;  // two stages, then the sums
+constexpr int kImmaMaxSlices = 4;
+static_assert(kImmaOut % kImmaThreads == 0, "every thread adds the same number of outputs");
+static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
+
+#if defined(DS4_IMMA_Q8)
+
+// D = A B + C over signed bytes, exact in 32-bit integers.
+__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
+                                       const int (&c)[4]) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%10,%11,%12,%13};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
+#else
+  __trap();
+#endif
+}
+
+// float(v) for |v| < 2^22, exactly (what static_cast gives): 1.5 2^23 + v has v in its low bits.
+__device__ __forceinline__ float small_int_to_float(int v) {
+  return __fsub_rn(ds4_bits_to_float(static_cast<uint32_t>(0x4B400000 + v)), 12582912.0f);
+}
+
+// The 8 q bytes 8t..8t+7 of the unit whose 34 bytes start at `unit` (shared, 2-byte aligned) as two
+// words (q word 2t, 2t + 1), and its d_256 (Unit<kQ8_0>::set_scale).
+__device__ __forceinline__ void unit_q(const uint8_t* unit, int t, uint32_t* lo, uint32_t* hi, float* d_256) {
+  const uintptr_t at = reinterpret_cast<uintptr_t>(unit) + 2 + 8 * t;
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(at & ~static_cast<uintptr_t>(3));
+  if (at & 2) {
+    const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+    *lo = ds4_byte_perm(w0, w1, 0x5432u);
+    *hi = ds4_byte_perm(w1, w2, 0x5432u);
+  } else {
+    *lo = w[0];
+    *hi = w[1];
+  }
+  *d_256 = half_bits_to_float(*reinterpret_cast<const unsigned short*>(unit)) * 0.00390625f;
+}
+
+__global__ void __launch_bounds__(kImmaThreads, 1)
+    imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
+                   const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
+                   int64_t w_member, int64_t p_member, int64_t y_member) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* red = reinterpret_cast<float*>(smem + 2 * kImmaStage);
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int g = lane >> 2, t = lane & 3;
+  W += static_cast<int64_t>(blockIdx.z) * w_member;
+  P += static_cast<int64_t>(blockIdx.z) * p_member;
+  Y += static_cast<int64_t>(blockIdx.z) * y_member;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kImmaRows;
+  const int c0 = static_cast<int>(blockIdx.y) * kImmaCols;
+
+  // This thread's plane records (byte offsets from P, below 2^31: the launcher checks): B column
+  // c0 + 8 nt + g, C columns c0 + 8 nt + 2t (+1); columns past the call read the last one (never
+  // stored).
+  uint32_t pb[kImmaNT], pc[kImmaNT][2];
+#pragma unroll
+  for (int nt = 0; nt < kImmaNT; ++nt) {
+    pb[nt] = static_cast<uint32_t>(min(c0 + 8 * nt + g, ncols - 1) * ldp);
+#pragma unroll
+    for (int j = 0; j < 2; ++j) pc[nt][j] = static_cast<uint32_t>(min(c0 + 8 * nt + 2 * t + j, ncols - 1) * ldp);
+  }
+
+  const int64_t n_chunks = (units + 31) / 32;
+  // The chunks in the order they are worked: slice 0's (q = 0, KS, 2 KS, ...), then slice 1's, ...
+  // next_of(q): the chunk after q; -1 at the end.
+  auto next_of = [&](int64_t q) -> int64_t {
+    if (q + ks < n_chunks) return q + ks;
+    const int64_t s1 = q % ks + 1;
+    return s1 < ks && s1 < n_chunks ? s1 : -1;
+  };
+  // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
+  auto issue = [&](int64_t q, int stage) {
+    const int64_t u0 = 32 * q;
+    const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
+    uint8_t* dst = smem + stage * kImmaStage;
+    for (int i = static_cast<int>(threadIdx.x); i < kImmaRows * nvec; i += kImmaThreads) {
+      const int r = i / nvec, v = i % nvec;
+      const int64_t row = min(r0 + r, rows - 1);
+      ds4_cp_async16(dst + r * kImmaPitch + 16 * v, W + row * row_bytes + u0 * 34 + 16 * v);
+    }
+    ds4_cp_async_commit();
+  };
+
+  float acc[2][kImmaMT][kImmaNT][4];
+  // Each k-slice's sum of this thread's outputs (slices without a chunk keep +0, as a SIMT warp
+  // with no unit does).
+  float ys[kImmaMaxSlices][kImmaOut / kImmaThreads];
+#pragma unroll
+  for (int s = 0; s < kImmaMaxSlices; ++s)
+#pragma unroll
+    for (int j = 0; j < kImmaOut / kImmaThreads; ++j) ys[s][j] = 0.0f;
+  auto zero = [&] {
+#pragma unroll
+    for (int i = 0; i < 2; ++i)
+#pragma unroll
+      for (int mt = 0; mt < kImmaMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kImmaNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[i][mt][nt][e] = 0.0f;
+  };
+
+  // Unit u (lane v of its chunk) into the sums of virtual lane i of this warp.
+  auto apply = [&](const uint8_t* chunk, int v, int64_t u, float (&a)[kImmaMT][kImmaNT][4]) {
+    uint32_t A[kImmaMT][4];
+    float d[kImmaMT][2];
+#pragma unroll
+    for (int mt = 0; mt < kImmaMT; ++mt) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint8_t* unit = chunk + (16 * mt + g + 8 * h) * kImmaPitch + 34 * v;
+        uint32_t lo, hi;
+        unit_q(unit, t, &lo, &hi, &d[mt][h]);
+        A[mt][h] = lo;      // a0 / a1: rows g / g + 8, k-slots 4t..4t+3
+        A[mt][2 + h] = hi;  // a2 / a3: k-slots 16 + 4t..
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < kImmaNT; ++nt) {
+      const uint8_t* rec = P + pb[nt] + kPlaneBytes * u;
+      const uint2 b0 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 8 * t));
+      const uint2 b1 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 32 + 8 * t));
+      const uint2 b2 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 64 + 8 * t));
+      float s256[2];
+#pragma unroll
+      for (int j = 0; j < 2; ++j) s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
+#pragma unroll
+      for (int mt = 0; mt < kImmaMT; ++mt) {
+        const int zero4[4] = {0, 0, 0, 0};
+        int s1[4], tt[4], s2[4];
+        mma_s8(s1, A[mt], b1.x, b1.y, zero4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s1[e] *= 256;
+        mma_s8(tt, A[mt], b0.x, b0.y, s1);
+        mma_s8(s2, A[mt], b2.x, b2.y, zero4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
+          a[mt][nt][e] = fmaf(f, d[mt][e >> 1] * s256[e & 1], a[mt][nt][e]);
+        }
+      }
+    }
+  };
+
+  // The first weights are in flight before the wait for the kernels that wrote the planes.
+  if (n_chunks > 0) issue(0, 0);
+  ds4_grid_begin();
+  zero();
+  int stage = 0;
+  for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
+    const int64_t nq = next_of(q);
+    if (nq >= 0) {
+      issue(nq, stage ^ 1);
+    } else {
+      ds4_cp_async_commit();  // an empty group keeps the count right
+    }
+    ds4_cp_async_wait<1>();
+    __syncthreads();
+    const uint8_t* chunk = smem + stage * kImmaStage;
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int v = warp + 16 * k;
+      const int64_t u = 32 * q + v;
+      if (u < units) apply(chunk, v, u, acc[k]);
+    }
+    __syncthreads();  // the stage is free before it is filled again
+    const int s_now = static_cast<int>(q % ks);
+    if (nq < 0 || nq % ks != s_now) {
+      // The slice's butterfly: A_w in registers, the rest through shared memory.
+#pragma unroll
+      for (int mt = 0; mt < kImmaMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kImmaNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 16 * mt + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
+            red[warp * kImmaRed + row * kImmaRedPitch + col] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
+          }
+      __syncthreads();
+#pragma unroll
+      for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
+        const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
+        const int at = (o / kImmaCols) * kImmaRedPitch + o % kImmaCols;
+        float b[8];
+#pragma unroll
+        for (int w = 0; w < 8; ++w) b[w] = red[w * kImmaRed + at] + red[(w + 8) * kImmaRed + at];
+        const float y = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
+#pragma unroll
+        for (int s = 0; s < kImmaMaxSlices; ++s)
+          if (s == s_now) ys[s][j] = y;
+      }
+      __syncthreads();
+      zero();
+    }
+    q = nq;
+    stage ^= 1;
+  }
+#pragma unroll
+  for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
+    const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
+    const int64_t row = r0 + o / kImmaCols;
+    const int col = c0 + o % kImmaCols;
+    float y = ys[0][j];
+    if (ks == 2) y = ys[0][j] + ys[1][j];
+    if (ks == 4) y = (ys[0][j] + ys[1][j]) + (ys[2][j] + ys[3][j]);
+    if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
+  }
+}
+
+#endif  // DS4_IMMA_Q8
+
+}  // namespace
+
+void set_matvec_imma(int min_cols) {
+  if (min_cols < 0) throw std::invalid_argument("set_matvec_imma: min_cols must be >= 0 (0: off)");
+  g_imma.store(min_cols, std::memory_order_relaxed);
+}
+
+int matvec_imma() {
+  int v = g_imma.load(std::memory_order_relaxed);
+  if (v < 0) {
+    const char* e = std::getenv("DS4_GPU_MV_IMMA");
+    v = (e == nullptr || *e == 0) ? kImmaDefaultCols : std::max(0, std::atoi(e));
+    g_imma.store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+namespace testing {
+int set_matvec_imma(int min_cols) {
+  ds4::gpu::set_matvec_imma(min_cols);
+  return matvec_imma();
+}
+int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
+}  // namespace testing
+
+bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_member, const uint8_t* P,
+                    int64_t ldp, int ncols, float* Y, int64_t y_member, int64_t ldy, cudaStream_t stream) {
+#if defined(DS4_IMMA_Q8)
+  const int min_cols = matvec_imma();
+  if (min_cols == 0 || ncols < min_cols || W.type != DType::Q8_0 || !cuda_sm90()) return false;
+  // The 16-byte copies: whole vectors a chunk (units a multiple of 8), rows and members 16-byte aligned.
+  if (units % 8 != 0 || W.row_bytes() % 16 != 0 || w_member % 16 != 0 ||
+      reinterpret_cast<uintptr_t>(W.data) % 16 != 0 || ldp % 8 != 0 || reinterpret_cast<uintptr_t>(P) % 8 != 0 ||
+      static_cast<int64_t>(ncols) * ldp >= (int64_t{1} << 31))
+    return false;
+  const int64_t rows = W.ne[1];
+  const int ks = matvec_kslices(rows, units);
+  static const bool ready = [] {
+    return cudaFuncSetAttribute(imma_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kImmaSmem) ==
+           cudaSuccess;
+  }();
+  if (!ready) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  const dim3 grid(static_cast<unsigned>((rows + kImmaRows - 1) / kImmaRows),
+                  static_cast<unsigned>((ncols + kImmaCols - 1) / kImmaCols), static_cast<unsigned>(n_batch));
+  launch(imma_q8_kernel, grid, kImmaThreads, kImmaSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols,
+         Y, ldy, w_member, static_cast<int64_t>(ncols) * ldp, y_member);
+  DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
+  g_imma_launches.fetch_add(1, std::memory_order_relaxed);
+  return true;
+#else
+  (void)W, (void)units, (void)n_batch, (void)w_member, (void)P, (void)ldp, (void)ncols, (void)Y, (void)y_member,
+      (void)ldy, (void)stream;
+  return false;
+#endif
+}
+
+}  // namespace ds4::gpu

@@ -1,0 +1,154 @@
+"""The integer tensor-core Q8_0 kernel (ext/gpu/imma_q8.cu) against the SIMT integer kernels, bit for bit.
+
+Marked ``gpu``. Hooks (``_testing``): ``gpu_set_matvec_imma(min_cols) -> int`` (the fewest columns a
+Q8_0 product takes the tensor cores from, 0 never; process-wide) and ``gpu_imma_launches()`` (the
+kernel's launches so far, so every test here proves it ran). The kernel computes the integer
+sums of each 32-element unit with mma.sync and then the SIMT lanes' float operations in their
+order (virtual lanes, the butterfly, the k-slice tree), so a product must be bit-identical on
+either kernel, at every width, for every k-slice count and partial chunk, for batched members,
+for the products of matvec_multi and in the engine.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from tests.gpu.test_gpu_kernels import tame_raw
+
+native = pytest.importorskip("ds4_app.engine._native")
+T = native._testing
+pytestmark = pytest.mark.gpu
+
+Q8_0 = 8
+
+
+@pytest.fixture
+def imma():
+    """Set the threshold inside a test; back to the default after it."""
+    keep = T.gpu_set_matvec_imma(32)
+    yield T.gpu_set_matvec_imma
+    T.gpu_set_matvec_imma(keep)
+
+
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Equal bit for bit, NaNs equal wherever both are NaN (their payload is not part of the contract)."""
+    na, nb = np.isnan(a), np.isnan(b)
+    return bool(np.array_equal(na, nb) and np.array_equal(a[~na].view(np.uint32), b[~nb].view(np.uint32)))
+
+
+def on_tensor_cores(fn):
+    """fn() run with the tensor cores taking every Q8_0 call, and the launches it made."""
+    T.gpu_set_matvec_imma(1)
+    before = T.gpu_imma_launches()
+    out = fn()
+    return out, T.gpu_imma_launches() - before
+
+
+def test_imma_switch_reads_back(imma) -> None:
+    assert imma(0) == 0
+    assert imma(48) == 48
+    with pytest.raises(ValueError):
+        imma(-1)
+
+
+# (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall), 2 and 4 (4 chunks;
+# 5 chunks, the last 8 units: slice 0 takes two). Rows not multiples of the 32-row tile.
+SHAPES = [(1024, 700), (1536, 300), (256, 100), (2048, 8200), (2048, 3000), (4096, 1000), (4352, 500)]
+
+
+@pytest.mark.parametrize("ne0, ne1", SHAPES, ids=[f"{k}x{r}" for k, r in SHAPES])
+def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> None:
+    rng = np.random.default_rng()
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((77, ne0)).astype(np.float32)
+    x[3] *= 1e-30
+    x[4] *= 1e25
+    x[5, : ne0 // 3] = 0.0
+    imma(0)
+    want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
+    for width in (77, 32, 33, 1):
+        got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
+        assert launches == 1, width
+        assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), width
+    # A column sits in another tile and n-slot of a wider call: the same bits.
+    perm = rng.permutation(77)
+    got, _ = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[perm]))
+    assert np.array_equal(got.view(np.uint32), want[perm].view(np.uint32))
+
+
+def test_nonfinite_and_zero_units_match(imma) -> None:
+    """A unit holding an inf or a NaN makes its column's rows NaN on both kernels, nothing else;
+    zero and subnormal columns give the SIMT bits."""
+    rng = np.random.default_rng()
+    ne0, ne1 = 1024, 96
+    raw = tame_raw(Q8_0, ne0 * ne1, rng)
+    x = rng.standard_normal((40, ne0)).astype(np.float32)
+    x[0] = 0.0
+    x[1] = np.float32(1e-40)
+    x[2, 70] = np.inf
+    x[3, 5] = np.nan
+    x[4, 1000] = -np.inf
+    imma(0)
+    want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
+    got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x))
+    assert launches == 1
+    assert same_bits(got, want)
+    assert np.isnan(got[2:5]).all() and not np.isnan(got[5:]).any()
+
+
+def test_batched_members_and_multi_products_match(imma) -> None:
+    rng = np.random.default_rng()
+    ne0, rows, n_batch = 1024, 256, 4
+    raw = tame_raw(Q8_0, ne0 * rows * n_batch, rng)
+    xb = rng.standard_normal((40, n_batch * ne0)).astype(np.float32)
+    imma(0)
+    want = T.gpu_matmul_batched(Q8_0, raw, ne0, rows * n_batch, n_batch, xb)
+    got, launches = on_tensor_cores(lambda: T.gpu_matmul_batched(Q8_0, raw, ne0, rows * n_batch, n_batch, xb))
+    assert launches == 1  # one launch, the members on the grid's z
+    assert np.array_equal(got.view(np.uint32), want.view(np.uint32))
+
+    shapes = [(Q8_0, 640), (1, 256), (Q8_0, 96)]
+    raws = [tame_raw(t, ne0 * r, rng) for t, r in shapes]
+    x = rng.standard_normal((48, ne0)).astype(np.float32)
+    imma(0)
+    want, _ = T.gpu_matmul_multi([(t, r_, r) for (t, r), r_ in zip(shapes, raws)], ne0, x)
+    (got, _), launches = on_tensor_cores(lambda: T.gpu_matmul_multi([(t, r_, r) for (t, r), r_ in zip(shapes, raws)], ne0, x))
+    assert launches == 2  # the two Q8_0 products
+    for g, w in zip(got, want):
+        assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
+
+
+def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
+    """The tiny preset's prompt packed 40 rows a step: the same logits with the tensor cores taking
+    every Q8_0 product of 4 or more columns and with them off, eager and under graphs (the
+    threshold is part of the graph key)."""
+    from ds4_app.engine.presets import tiny
+    from ds4_app.engine.synth import synthesize
+    from ds4_app.engine.gguf_file import ModelFile
+    from tests.engine_cases import Seq, prompt, run
+    from tests.gpu.test_gpu_engine import gpu_engine
+
+    path = tmp_path / "tiny.gguf"
+    synthesize(tiny(), path, seed=11)
+    mf = ModelFile.open(path)
+    gpu = gpu_engine(mf, max_slots=2, max_rows=80)
+    out = {}
+    for graphs in (False, True):
+        gpu.use_graphs = graphs
+        for threshold in (0, 4):
+            imma(threshold)
+            before = T.gpu_imma_launches()
+            gpu.reset_slot(0)
+            gpu.reset_slot(1)
+            logits = run(gpu, [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
+                               Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)])
+            launched = T.gpu_imma_launches() - before
+            if threshold and not graphs:
+                assert launched > 0
+            if not threshold:
+                assert launched == 0
+            out[graphs, threshold] = logits
+    for key, logits in out.items():
+        for a, b in zip(logits, out[False, 0]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key
