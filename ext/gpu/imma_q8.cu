@@ -306,6 +306,20 @@ int matvec_imma() {
   return v;
 }
 
+bool imma_prepare() {
+#if defined(DS4_IMMA_Q8)
+  static const bool ready = [] {
+    const bool ok = cudaFuncSetAttribute(imma_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kImmaSmem) ==
+                    cudaSuccess;
+    (void)cudaGetLastError();
+    return ok;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
 namespace testing {
 int set_matvec_imma(int min_cols) {
   ds4::gpu::set_matvec_imma(min_cols);
@@ -326,14 +340,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
     return false;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
-  static const bool ready = [] {
-    return cudaFuncSetAttribute(imma_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kImmaSmem) ==
-           cudaSuccess;
-  }();
-  if (!ready) {
-    (void)cudaGetLastError();
-    return false;
-  }
+  if (!imma_prepare()) return false;
   const dim3 grid(static_cast<unsigned>((rows + kImmaRows - 1) / kImmaRows),
                   static_cast<unsigned>((ncols + kImmaCols - 1) / kImmaCols), static_cast<unsigned>(n_batch));
   launch(imma_q8_kernel, grid, kImmaThreads, kImmaSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols,

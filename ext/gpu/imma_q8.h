@@ -18,6 +18,10 @@ constexpr int kImmaDefaultCols = 32;
 void set_matvec_imma(int min_cols);
 int matvec_imma();
 
+// Raises the kernel's shared-memory limit (once; matvec_prepare calls it before any graph capture).
+// False where the kernel cannot run.
+bool imma_prepare();
+
 // Y = W X on the tensor cores for n_batch members (member i: weights W.data + i * w_member bytes,
 // column c's planes at P + (i * ncols + c) * ldp, Y + i * y_member + c * ldy). Returns false, doing
 // nothing, where the kernel does not take the call: fewer than matvec_imma() columns, no kernel in

@@ -705,6 +705,7 @@ void matvec_prepare() {
     prepare_tall2_one<2>();
     prepare_tall2_one<3>();
     prepare_tall2_one<4>();
+    (void)imma_prepare();
   });
 }
 
