@@ -48,7 +48,7 @@
 #include "../engine/weights.h"
 #include "common.cuh"
 #include "ds4_gpu.h"
-#include "imma_q8.h"
+#include "imma.h"
 #include "l2_prefetch.h"
 #include "matvec_fused.h"
 #include "mma_matvec.cuh"

@@ -46,15 +46,12 @@
 #include <atomic>
 #include <stdexcept>
 
-#include "imma_q8.h"
+#include "imma.h"
+#include "imma.cuh"
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
 #include "xplanes.cuh"
-
-#if defined(DS4_GPU_CUDA) && !(defined(__HIP_PLATFORM_AMD__) || defined(__HIPCC__) || defined(__HIP__))
-#define DS4_IMMA_Q8 1  // this build has the integer tensor-core kernel
-#endif
 
 namespace ds4::gpu {
 
@@ -78,26 +75,7 @@ constexpr int kImmaMaxSlices = 4;
 static_assert(kImmaOut % kImmaThreads == 0, "every thread adds the same number of outputs");
 static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
 
-#if defined(DS4_IMMA_Q8)
-
-// D = A B + C over signed bytes, exact in 32-bit integers.
-__device__ __forceinline__ void mma_s8(int (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1,
-                                       const int (&c)[4]) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  asm volatile(
-      "mma.sync.aligned.m16n8k32.row.col.s32.s8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
-      "{%10,%11,%12,%13};\n"
-      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1), "r"(c[0]), "r"(c[1]), "r"(c[2]), "r"(c[3]));
-#else
-  __trap();
-#endif
-}
-
-// float(v) for |v| < 2^22, exactly (what static_cast gives): 1.5 2^23 + v has v in its low bits.
-__device__ __forceinline__ float small_int_to_float(int v) {
-  return __fsub_rn(ds4_bits_to_float(static_cast<uint32_t>(0x4B400000 + v)), 12582912.0f);
-}
+#if defined(DS4_IMMA)
 
 // The 8 q bytes 8t..8t+7 of the unit whose 34 bytes start at `unit` (shared, 2-byte aligned) as two
 // words (q word 2t, 2t + 1), and its d_256 (Unit<kQ8_0>::set_scale).
@@ -208,11 +186,11 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       for (int mt = 0; mt < kImmaMT; ++mt) {
         const int zero4[4] = {0, 0, 0, 0};
         int s1[4], tt[4], s2[4];
-        mma_s8(s1, A[mt], b1.x, b1.y, zero4);
+        mma_s8_k32(s1, A[mt], b1.x, b1.y, zero4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8(tt, A[mt], b0.x, b0.y, s1);
-        mma_s8(s2, A[mt], b2.x, b2.y, zero4);
+        mma_s8_k32(tt, A[mt], b0.x, b0.y, s1);
+        mma_s8_k32(s2, A[mt], b2.x, b2.y, zero4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
@@ -264,7 +242,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
         float b[8];
 #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * kImmaRed + at] + red[(w + 8) * kImmaRed + at];
-        const float y = ((b[0] + b[4]) + (b[2] + b[6])) + ((b[1] + b[5]) + (b[3] + b[7]));
+        const float y = butterfly_of_eight(b);
 #pragma unroll
         for (int s = 0; s < kImmaMaxSlices; ++s)
           if (s == s_now) ys[s][j] = y;
@@ -280,14 +258,13 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
     const int64_t row = r0 + o / kImmaCols;
     const int col = c0 + o % kImmaCols;
-    float y = ys[0][j];
-    if (ks == 2) y = ys[0][j] + ys[1][j];
-    if (ks == 4) y = (ys[0][j] + ys[1][j]) + (ys[2][j] + ys[3][j]);
+    const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
+    const float y = kslice_tree(y4, ks);
     if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
   }
 }
 
-#endif  // DS4_IMMA_Q8
+#endif  // DS4_IMMA
 
 }  // namespace
 
@@ -306,8 +283,10 @@ int matvec_imma() {
   return v;
 }
 
+void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
+
 bool imma_prepare() {
-#if defined(DS4_IMMA_Q8)
+#if defined(DS4_IMMA)
   static const bool ready = [] {
     const bool ok = cudaFuncSetAttribute(imma_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kImmaSmem) ==
                     cudaSuccess;
@@ -330,7 +309,7 @@ int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed)
 
 bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_member, const uint8_t* P,
                     int64_t ldp, int ncols, float* Y, int64_t y_member, int64_t ldy, cudaStream_t stream) {
-#if defined(DS4_IMMA_Q8)
+#if defined(DS4_IMMA)
   const int min_cols = matvec_imma();
   if (min_cols == 0 || ncols < min_cols || W.type != DType::Q8_0 || !cuda_sm90()) return false;
   // The 16-byte copies: whole vectors a chunk (units a multiple of 8), rows and members 16-byte aligned.
@@ -346,7 +325,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   launch(imma_q8_kernel, grid, kImmaThreads, kImmaSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols,
          Y, ldy, w_member, static_cast<int64_t>(ncols) * ldp, y_member);
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
-  g_imma_launches.fetch_add(1, std::memory_order_relaxed);
+  imma_count_launch();
   return true;
 #else
   (void)W, (void)units, (void)n_batch, (void)w_member, (void)P, (void)ldp, (void)ncols, (void)Y, (void)y_member,

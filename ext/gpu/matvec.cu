@@ -19,7 +19,7 @@
 #include <utility>
 
 #include "ds4_gpu.h"
-#include "imma_q8.h"
+#include "imma.h"
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
@@ -1062,6 +1062,9 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
   if (planes_for(W) && x_rows > 0 && own_takes(W, units)) {
     lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch.planes, scratch.planes_bytes, s);
     gp = GroupedPlanes{lease.data, lease.ldp};
+    // Steps of many rows on the integer tensor cores where they serve: the same bits (imma_q4k.cu).
+    if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, gp.data, gp.ldp, x_rows, Y, ldy, s))
+      return;
   }
   switch (W.type) {
     case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;

@@ -159,7 +159,7 @@ bool set_matvec_mma(bool on);
 bool set_pdl(bool on);
 // set_matvec_int8(on); returns matvec_int8() after it.
 bool set_matvec_int8(bool on);
-// set_matvec_imma(min_cols) (imma_q8.h: 0 off); returns matvec_imma() after it.
+// set_matvec_imma(min_cols) (imma.h: 0 off); returns matvec_imma() after it.
 int set_matvec_imma(int min_cols);
 // Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
 int64_t imma_launches();

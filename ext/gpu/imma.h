@@ -1,0 +1,48 @@
+// The integer tensor-core products for wide calls (prompt rows): dense Q8_0 (imma_q8.cu) and the
+// expert-grouped Q4_K product (imma_q4k.cu), each bit for bit the SIMT kernels' integer arithmetic
+// (xplanes.cuh), so which kernel a call takes is a speed choice only.
+#pragma once
+
+#include <cstdint>
+
+#include "ds4/kernels.h"
+#include "vendor.h"
+
+namespace ds4::gpu {
+
+// The fewest columns a Q8_0 product (integer products on) must have to take the tensor-core kernel,
+// and the fewest X rows a grouped Q4_K product's step must have; 0: never. DS4_GPU_MV_IMMA=N sets it at start (default kImmaDefaultCols), set_matvec_imma at run
+// time. The bits never depend on it (imma_q8.cu); part of the graph key so an A/B under graphs
+// measures what it names. Where the build or the device has no integer mma.sync (HIP, before
+// sm_80) the kernel never runs and the getter still reports the setting.
+constexpr int kImmaDefaultCols = 32;
+void set_matvec_imma(int min_cols);
+int matvec_imma();
+
+// Counts a launch of either kernel (testing::imma_launches).
+void imma_count_launch();
+
+// Raises the kernel's shared-memory limit (once; matvec_prepare calls it before any graph capture).
+// False where the kernel cannot run.
+bool imma_prepare();
+
+// Y = W X on the tensor cores for n_batch members (member i: weights W.data + i * w_member bytes,
+// column c's planes at P + (i * ncols + c) * ldp, Y + i * y_member + c * ldy). Returns false, doing
+// nothing, where the kernel does not take the call: fewer than matvec_imma() columns, no kernel in
+// this build or device, or weights not laid out for its 16-byte copies.
+bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_member, const uint8_t* P,
+                    int64_t ldp, int ncols, float* Y, int64_t y_member, int64_t ldy, cudaStream_t stream);
+
+// Whether imma_q4k_grouped takes a grouped product of W (Q4_K stack) whose X has x_rows rows; a
+// function of W, x_rows and the switches (matvec_grouped_pair declines where it does, so the gate and
+// up products run here, then the SwiGLU kernel: the same bits as the fused store).
+bool imma_q4k_takes(const TensorView& W, int64_t x_rows);
+
+// The expert-grouped product of matvec_grouped (same parts, pairs and bits) on the tensor cores: pair
+// j of part p gets Y[j] = W[expert] . X[x_row[j]] from X's planes (row r at planes + r * ldp; x_row
+// null: X row j). Parts past *n_parts do nothing. False, doing nothing, where !imma_q4k_takes.
+bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, const int32_t* n_parts, int max_parts,
+                      const int32_t* sorted_pairs, const int32_t* x_row, const uint8_t* planes, int64_t ldp,
+                      int64_t x_rows, float* Y, int64_t ldy, cudaStream_t stream);
+
+}  // namespace ds4::gpu

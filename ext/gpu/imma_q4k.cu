@@ -1,0 +1,264 @@
+// Tensor-core expert-grouped Q4_K products for steps of many rows (prompts), bit for bit the SIMT
+// integer path.
+//
+// What it computes: matvec_grouped's product (matvec.cuh): for each part p (expert e, pairs
+// sorted_pairs[first .. first + count), count <= 8) and each of its pairs j, Y[j] = W[e] . X[x_row[j]],
+// from X's planes (xplanes.cuh), with the arithmetic every SIMT grouped kernel shares (and the dense
+// one: a pair equals its expert's product on its column alone). For row r and column c:
+//
+//   unit u (16 quant bytes: the low nibbles are half h of sub-block 2c' of a 256-block, the high
+//   nibbles half h of sub-block 2c' + 1; Unit<kQ4_K>) against the matching halves of two X units:
+//     per half: S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 (16 elements, exact integers)
+//               f = fmaf(float(S2), 2^16, float(T)), s = s256 2^-8
+//               acc = fmaf(dl s, f, fmaf(-(ml s), float(M), acc))     (q4k_planes_dot; low first)
+//   lanes, k-slices and their sums as in imma_q8.cu (lane u % 32 of slice (u / 32) % KS, units in
+//   increasing order; the butterfly; the k-slice tree).
+//
+// The integer sums come from mma.sync m16n8k16.s8 (A = 16 rows x one half's 16 nibbles as bytes,
+// B = the half's plane bytes x the part's 8 columns), three a half; everything after them is the
+// SIMT lane's float operations in its order, so every pair's bits equal the SIMT kernels'
+// (tests/gpu/test_gpu_imma.py). Virtual lanes: warp w of 8 keeps lanes w, w + 8, w + 16 and w + 24,
+// so it forms B_w = (a_w + a_(w+16)) + (a_(w+8) + a_(w+24)) in registers; the block adds the eight
+// B_w through shared memory in the butterfly's order.
+//
+// Layout of the work: block (x, p) = rows [32x, 32x + 32) of part p, 8 warps of 32 threads, one
+// n-tile of the part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a row) the block
+// copies its rows' 576 bytes (cp.async, two stages); a warp's units of the chunk are unit
+// positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it must
+// move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
+#include <atomic>
+
+#include "imma.cuh"
+#include "imma.h"
+#include "launch.cuh"
+#include "matvec.cuh"
+#include "matvec_fused.h"
+#include "xplanes.cuh"
+
+namespace ds4::gpu {
+
+namespace {
+
+constexpr int kGqWarps = 8;
+constexpr int kGqThreads = kGqWarps * DS4_WARP;
+constexpr int kGqMT = 2;                      // m-tiles of 16 rows a warp
+constexpr int kGqRows = 16 * kGqMT;           // rows a block
+constexpr int kGqCols = 8;                    // one n-tile: a part's pairs
+constexpr int kGqChunk = 4 * 144;             // a row's bytes of 32 units
+constexpr int kGqPitch = kGqChunk + 16;       // shared row pitch (spreads the banks)
+constexpr int kGqStage = kGqRows * kGqPitch;  // one copy stage
+constexpr int kGqOut = kGqRows * kGqCols;
+constexpr int kGqRedPitch = kGqCols + 1;
+constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
+constexpr int kGqSmem = 2 * kGqStage + kGqWarps * kGqRed * 4;          // under the 48 KB default
+constexpr int kGqMaxSlices = 4;
+static_assert(kGqOut == kGqThreads, "a thread stores one output");
+static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
+static_assert(kGqSmem <= 48 * 1024, "no opt-in for more shared memory");
+
+#if defined(DS4_IMMA)
+
+__global__ void __launch_bounds__(kGqThreads)
+    imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
+                            int units, int ks, const ExpertPartDev* __restrict__ parts,
+                            const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
+                            const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
+                            float* __restrict__ Y, int64_t ldy) {
+  extern __shared__ __align__(16) uint8_t smem[];
+  float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  // The parts come from the planner just before: wait for it first.
+  ds4_grid_begin();
+  const int p = static_cast<int>(blockIdx.y);
+  if (p >= *n_parts) return;
+  const ExpertPartDev pt = parts[p];
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int g = lane >> 2, t = lane & 3;
+  const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
+  const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
+  const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
+  auto x_of = [&](int j) {  // X row of the part's column j (past the part: its last column, never stored)
+    const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
+    return x_row != nullptr ? x_row[pair] : pair;
+  };
+  // Records of this thread's B column (g) and C columns (2t, 2t + 1), at X unit 0.
+  const uint8_t* pb = planes + static_cast<int64_t>(x_of(g)) * ldp;
+  const uint8_t* pc[2] = {planes + static_cast<int64_t>(x_of(2 * t)) * ldp,
+                          planes + static_cast<int64_t>(x_of(2 * t + 1)) * ldp};
+
+  const int n_chunks = (units + 31) / 32;
+  auto next_of = [&](int q) {  // the chunk after q: slice by slice, each slice's chunks in order
+    if (q + ks < n_chunks) return q + ks;
+    const int s1 = q % ks + 1;
+    return s1 < ks && s1 < n_chunks ? s1 : -1;
+  };
+  auto issue = [&](int q, int stage) {
+    const int left = units - 32 * q;
+    const int nvec = (left < 32 ? left : 32) * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
+    uint8_t* dst = smem + stage * kGqStage;
+    for (int i = static_cast<int>(threadIdx.x); i < kGqRows * nvec; i += kGqThreads) {
+      const int r = i / nvec, v = i % nvec;
+      const int row = r0 + r < rows ? r0 + r : rows - 1;
+      ds4_cp_async16(dst + r * kGqPitch + 16 * v, We + row * row_bytes + static_cast<int64_t>(q) * kGqChunk + 16 * v);
+    }
+    ds4_cp_async_commit();
+  };
+
+  float acc[4][kGqMT][4];
+  float ys[kGqMaxSlices] = {0.0f, 0.0f, 0.0f, 0.0f};
+  auto zero = [&] {
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int mt = 0; mt < kGqMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
+  };
+
+  // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
+  auto apply = [&](const uint8_t* chunk, int q, int k, float (&a)[kGqMT][4]) {
+    // X units of the low and high nibbles: 8 (4q + k) + 2 cpos and the next one.
+    const int64_t xa = 8 * (4 * static_cast<int64_t>(q) + k) + 2 * cpos;
+    uint32_t blo[3], bhi[3];
+    const uint8_t* rb = pb + kPlaneBytes * xa + 16 * h + 4 * t;
+#pragma unroll
+    for (int pl = 0; pl < 3; ++pl) {
+      blo[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + 32 * pl));
+      bhi[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl));
+    }
+    float slo[2], shi[2];
+    int32_t mlo[2], mhi[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const uint8_t* rc = pc[j] + kPlaneBytes * xa + kPlaneScaleOff;
+      slo[j] = ds4_ldg(reinterpret_cast<const float*>(rc)) * 0.00390625f;  // exact
+      mlo[j] = ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h));
+      shi[j] = ds4_ldg(reinterpret_cast<const float*>(rc + kPlaneBytes)) * 0.00390625f;
+      mhi[j] = ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h));
+    }
+#pragma unroll
+    for (int mt = 0; mt < kGqMT; ++mt) {
+      uint32_t alo[2], ahi[2];
+      float dl0[2], ml0[2], dl1[2], ml1[2];
+#pragma unroll
+      for (int rr = 0; rr < 2; ++rr) {
+        const uint8_t* blk = chunk + (16 * mt + g + 8 * rr) * kGqPitch + 144 * k;
+        const uint4 head = *reinterpret_cast<const uint4*>(blk);
+        const uint32_t qw = *reinterpret_cast<const uint32_t*>(blk + 16 + 32 * cpos + 16 * h + 4 * t);
+        alo[rr] = qw & 0x0f0f0f0fu;
+        ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
+        q4k_unit_scales(head.x, head.y, head.z, head.w, cpos, &dl0[rr], &ml0[rr], &dl1[rr], &ml1[rr]);
+      }
+      const int zero4[4] = {0, 0, 0, 0};
+      int s1[4], tlo[4], s2lo[4], thi[4], s2hi[4];
+      mma_s8_k16(s1, alo[0], alo[1], blo[1], zero4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s1[e] *= 256;
+      mma_s8_k16(tlo, alo[0], alo[1], blo[0], s1);
+      mma_s8_k16(s2lo, alo[0], alo[1], blo[2], zero4);
+      mma_s8_k16(s1, ahi[0], ahi[1], bhi[1], zero4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s1[e] *= 256;
+      mma_s8_k16(thi, ahi[0], ahi[1], bhi[0], s1);
+      mma_s8_k16(s2hi, ahi[0], ahi[1], bhi[2], zero4);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int rr = e >> 1, j = e & 1;
+        const float flo = fmaf(small_int_to_float(s2lo[e]), 65536.0f, static_cast<float>(tlo[e]));
+        float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), static_cast<float>(mlo[j]), a[mt][e]));
+        const float fhi = fmaf(small_int_to_float(s2hi[e]), 65536.0f, static_cast<float>(thi[e]));
+        a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), static_cast<float>(mhi[j]), v));
+      }
+    }
+  };
+
+  int stage = 0;
+  if (n_chunks > 0) issue(0, 0);
+  zero();
+  for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
+    const int nq = next_of(q);
+    if (nq >= 0) {
+      issue(nq, stage ^ 1);
+    } else {
+      ds4_cp_async_commit();  // an empty group keeps the count right
+    }
+    ds4_cp_async_wait<1>();
+    __syncthreads();
+    const uint8_t* chunk = smem + stage * kGqStage;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+      if (32 * q + 8 * k < units) apply(chunk, q, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+    __syncthreads();  // the stage is free before it is filled again
+    const int s_now = q % ks;
+    if (nq < 0 || nq % ks != s_now) {
+      // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
+      // shared memory.
+#pragma unroll
+      for (int mt = 0; mt < kGqMT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
+          red[warp * kGqRed + row * kGqRedPitch + col] =
+              (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
+        }
+      __syncthreads();
+      const int o = static_cast<int>(threadIdx.x);
+      const int at = (o / kGqCols) * kGqRedPitch + o % kGqCols;
+      float b[8];
+#pragma unroll
+      for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
+      const float y = butterfly_of_eight(b);
+#pragma unroll
+      for (int s = 0; s < kGqMaxSlices; ++s)
+        if (s == s_now) ys[s] = y;
+      __syncthreads();
+      zero();
+    }
+    q = nq;
+    stage ^= 1;
+  }
+  const int o = static_cast<int>(threadIdx.x);
+  const int row = r0 + o / kGqCols, col = o % kGqCols;
+  if (row < rows && col < pt.count)
+    Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
+}
+
+#endif  // DS4_IMMA
+
+}  // namespace
+
+bool imma_q4k_takes(const TensorView& W, int64_t x_rows) {
+#if defined(DS4_IMMA)
+  const int min_rows = matvec_imma();
+  if (min_rows == 0 || x_rows < min_rows || W.type != DType::Q4_K || !matvec_int8() || !cuda_sm90()) return false;
+  const int64_t units = W.ne[0] / 32, expert_bytes = W.row_bytes() * W.ne[1];
+  return units % 8 == 0 && units < (int64_t{1} << 24) && W.ne[1] < (int64_t{1} << 30) && expert_bytes % 16 == 0 &&
+         reinterpret_cast<uintptr_t>(W.data) % 16 == 0;
+#else
+  (void)W, (void)x_rows;
+  return false;
+#endif
+}
+
+bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, const int32_t* n_parts, int max_parts,
+                      const int32_t* sorted_pairs, const int32_t* x_row, const uint8_t* planes, int64_t ldp,
+                      int64_t x_rows, float* Y, int64_t ldy, cudaStream_t stream) {
+#if defined(DS4_IMMA)
+  if (planes == nullptr || !imma_q4k_takes(W, x_rows)) return false;
+  if (max_parts <= 0 || W.ne[1] == 0) return true;
+  const int64_t rows = W.ne[1];
+  const int ks = matvec_kslices(rows, units);
+  const dim3 grid(static_cast<unsigned>((rows + kGqRows - 1) / kGqRows), static_cast<unsigned>(max_parts));
+  launch(imma_q4k_grouped_kernel, grid, kGqThreads, kGqSmem, stream, W.data, W.row_bytes() * rows, W.row_bytes(),
+         static_cast<int>(rows), static_cast<int>(units), ks, static_cast<const ExpertPartDev*>(parts), n_parts,
+         sorted_pairs, x_row, planes, ldp, Y, ldy);
+  DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
+  imma_count_launch();
+  return true;
+#else
+  (void)W, (void)units, (void)parts, (void)n_parts, (void)max_parts, (void)sorted_pairs, (void)x_row, (void)planes,
+      (void)ldp, (void)x_rows, (void)Y, (void)ldy, (void)stream;
+  return false;
+#endif
+}
+
+}  // namespace ds4::gpu
