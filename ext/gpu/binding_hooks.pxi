@@ -51,6 +51,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     cbool gpu_set_pdl "ds4::gpu::testing::set_pdl"(cbool on) except +
     cbool gpu_set_matvec_int8 "ds4::gpu::testing::set_matvec_int8"(cbool on) except +
     int gpu_set_matvec_imma "ds4::gpu::testing::set_matvec_imma"(int min_cols) except +
+    int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
 
 
@@ -254,6 +255,13 @@ def _t_gpu_set_matvec_imma(int min_cols):
     return int(gpu_set_matvec_imma(min_cols))
 
 
+def _t_gpu_set_matvec_imma_grouped(int min_pairs):
+    """The fewest pairs per expert (pairs / experts of the stack) from which a grouped Q4_K product takes
+    the integer tensor-core kernel (ext/gpu/imma_q4k.cu; 0: never; default 2,
+    DS4_GPU_MV_IMMA_GROUPED=N), process-wide. The bits never depend on it. Returns the setting now."""
+    return int(gpu_set_matvec_imma_grouped(min_pairs))
+
+
 def _t_gpu_imma_launches():
     """Launches of the integer tensor-core kernel so far in this process."""
     return int(gpu_imma_launches())
@@ -408,6 +416,7 @@ _GPU_TESTING = dict(
     gpu_set_pdl=_t_gpu_set_pdl,
     gpu_set_matvec_int8=_t_gpu_set_matvec_int8,
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
+    gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,

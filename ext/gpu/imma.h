@@ -10,14 +10,20 @@
 
 namespace ds4::gpu {
 
-// The fewest columns a Q8_0 product (integer products on) must have to take the tensor-core kernel,
-// and the fewest X rows a grouped Q4_K product's step must have; 0: never. DS4_GPU_MV_IMMA=N sets it at start (default kImmaDefaultCols), set_matvec_imma at run
-// time. The bits never depend on it (imma_q8.cu); part of the graph key so an A/B under graphs
-// measures what it names. Where the build or the device has no integer mma.sync (HIP, before
-// sm_80) the kernel never runs and the getter still reports the setting.
+// The fewest columns a Q8_0 product (integer products on) must have to take the tensor-core kernel;
+// 0: never. DS4_GPU_MV_IMMA=N sets it at start (default kImmaDefaultCols), set_matvec_imma at run
+// time. And the fewest pairs per expert (n_pairs / experts of the stack) a grouped Q4_K product
+// must have: its parts are then mostly full 8-column tiles (DS4_GPU_MV_IMMA_GROUPED=N, default
+// kImmaDefaultPairs; set_matvec_imma_grouped). The bits never depend on either (imma_q8.cu,
+// imma_q4k.cu); both are part of the graph key so an A/B under graphs measures what it names.
+// Where the build or the device has no integer mma.sync (HIP, before sm_90 here) the kernels never
+// run and the getters still report the settings.
 constexpr int kImmaDefaultCols = 32;
+constexpr int kImmaDefaultPairs = 2;
 void set_matvec_imma(int min_cols);
 int matvec_imma();
+void set_matvec_imma_grouped(int min_pairs_per_expert);
+int matvec_imma_grouped();
 
 // Counts a launch of either kernel (testing::imma_launches).
 void imma_count_launch();
@@ -33,16 +39,17 @@ bool imma_prepare();
 bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_member, const uint8_t* P,
                     int64_t ldp, int ncols, float* Y, int64_t y_member, int64_t ldy, cudaStream_t stream);
 
-// Whether imma_q4k_grouped takes a grouped product of W (Q4_K stack) whose X has x_rows rows; a
-// function of W, x_rows and the switches (matvec_grouped_pair declines where it does, so the gate and
-// up products run here, then the SwiGLU kernel: the same bits as the fused store).
-bool imma_q4k_takes(const TensorView& W, int64_t x_rows);
+// Whether imma_q4k_grouped takes a grouped product of W (a Q4_K stack) with n_pairs pairs; a
+// function of W, n_pairs and the switches. matvec_grouped_pair declines where it does, so the gate
+// and up products run here, then the SwiGLU kernel: the same bits as the fused store.
+bool imma_q4k_takes(const TensorView& W, int64_t n_pairs);
 
 // The expert-grouped product of matvec_grouped (same parts, pairs and bits) on the tensor cores: pair
 // j of part p gets Y[j] = W[expert] . X[x_row[j]] from X's planes (row r at planes + r * ldp; x_row
-// null: X row j). Parts past *n_parts do nothing. False, doing nothing, where !imma_q4k_takes.
+// null: X row j). Parts past *n_parts do nothing. False, doing nothing, where
+// !imma_q4k_takes(W, max_parts).
 bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, const int32_t* n_parts, int max_parts,
                       const int32_t* sorted_pairs, const int32_t* x_row, const uint8_t* planes, int64_t ldp,
-                      int64_t x_rows, float* Y, int64_t ldy, cudaStream_t stream);
+                      float* Y, int64_t ldy, cudaStream_t stream);
 
 }  // namespace ds4::gpu

@@ -226,24 +226,26 @@ __global__ void __launch_bounds__(kGqThreads)
 
 }  // namespace
 
-bool imma_q4k_takes(const TensorView& W, int64_t x_rows) {
+bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #if defined(DS4_IMMA)
-  const int min_rows = matvec_imma();
-  if (min_rows == 0 || x_rows < min_rows || W.type != DType::Q4_K || !matvec_int8() || !cuda_sm90()) return false;
+  const int min_pairs = matvec_imma_grouped();
+  if (min_pairs == 0 || n_pairs < static_cast<int64_t>(min_pairs) * W.ne[2] || W.type != DType::Q4_K ||
+      !matvec_int8() || !cuda_sm90())
+    return false;
   const int64_t units = W.ne[0] / 32, expert_bytes = W.row_bytes() * W.ne[1];
   return units % 8 == 0 && units < (int64_t{1} << 24) && W.ne[1] < (int64_t{1} << 30) && expert_bytes % 16 == 0 &&
          reinterpret_cast<uintptr_t>(W.data) % 16 == 0;
 #else
-  (void)W, (void)x_rows;
+  (void)W, (void)n_pairs;
   return false;
 #endif
 }
 
 bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, const int32_t* n_parts, int max_parts,
                       const int32_t* sorted_pairs, const int32_t* x_row, const uint8_t* planes, int64_t ldp,
-                      int64_t x_rows, float* Y, int64_t ldy, cudaStream_t stream) {
+                      float* Y, int64_t ldy, cudaStream_t stream) {
 #if defined(DS4_IMMA)
-  if (planes == nullptr || !imma_q4k_takes(W, x_rows)) return false;
+  if (planes == nullptr || !imma_q4k_takes(W, max_parts)) return false;
   if (max_parts <= 0 || W.ne[1] == 0) return true;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
@@ -256,7 +258,7 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   return true;
 #else
   (void)W, (void)units, (void)parts, (void)n_parts, (void)max_parts, (void)sorted_pairs, (void)x_row, (void)planes,
-      (void)ldp, (void)x_rows, (void)Y, (void)ldy, (void)stream;
+      (void)ldp, (void)Y, (void)ldy, (void)stream;
   return false;
 #endif
 }

@@ -44,6 +44,7 @@
 // words are one 8-byte load and its A words 8 consecutive q bytes.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <stdexcept>
 
 #include "imma.h"
@@ -57,7 +58,8 @@ namespace ds4::gpu {
 
 namespace {
 
-std::atomic<int> g_imma{-1};  // -1: not read from the environment yet
+std::atomic<int> g_imma{-1};          // -1: not read from the environment yet
+std::atomic<int> g_imma_grouped{-1};  // the same for the grouped threshold
 std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -273,15 +275,26 @@ void set_matvec_imma(int min_cols) {
   g_imma.store(min_cols, std::memory_order_relaxed);
 }
 
-int matvec_imma() {
-  int v = g_imma.load(std::memory_order_relaxed);
+// A threshold switch: read from the environment (name) on first use, default `fallback`.
+int threshold_now(std::atomic<int>& state, const char* name, int fallback) {
+  int v = state.load(std::memory_order_relaxed);
   if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_IMMA");
-    v = (e == nullptr || *e == 0) ? kImmaDefaultCols : std::max(0, std::atoi(e));
-    g_imma.store(v, std::memory_order_relaxed);
+    const char* e = std::getenv(name);
+    v = (e == nullptr || *e == 0) ? fallback : std::max(0, std::atoi(e));
+    state.store(v, std::memory_order_relaxed);
   }
   return v;
 }
+
+int matvec_imma() { return threshold_now(g_imma, "DS4_GPU_MV_IMMA", kImmaDefaultCols); }
+
+void set_matvec_imma_grouped(int min_pairs_per_expert) {
+  if (min_pairs_per_expert < 0)
+    throw std::invalid_argument("set_matvec_imma_grouped: min_pairs_per_expert must be >= 0 (0: off)");
+  g_imma_grouped.store(min_pairs_per_expert, std::memory_order_relaxed);
+}
+
+int matvec_imma_grouped() { return threshold_now(g_imma_grouped, "DS4_GPU_MV_IMMA_GROUPED", kImmaDefaultPairs); }
 
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
@@ -303,6 +316,10 @@ namespace testing {
 int set_matvec_imma(int min_cols) {
   ds4::gpu::set_matvec_imma(min_cols);
   return matvec_imma();
+}
+int set_matvec_imma_grouped(int min_pairs_per_expert) {
+  ds4::gpu::set_matvec_imma_grouped(min_pairs_per_expert);
+  return matvec_imma_grouped();
 }
 int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
 }  // namespace testing

@@ -1063,7 +1063,7 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
     lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch.planes, scratch.planes_bytes, s);
     gp = GroupedPlanes{lease.data, lease.ldp};
     // Steps of many rows on the integer tensor cores where they serve: the same bits (imma_q4k.cu).
-    if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, gp.data, gp.ldp, x_rows, Y, ldy, s))
+    if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, gp.data, gp.ldp, Y, ldy, s))
       return;
   }
   switch (W.type) {

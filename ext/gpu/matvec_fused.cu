@@ -357,7 +357,7 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const Exper
   if (max_cols > 4 && matvec_grouped_width() >= 8) return false;
   // Steps of many rows: the gate and up products on the integer tensor cores (imma_q4k.cu), then the
   // SwiGLU kernel (the same bits as the fused store).
-  if (imma_q4k_takes(Wg, x_rows)) return false;
+  if (imma_q4k_takes(Wg, max_parts)) return false;
   const GatedStore store{G, U, swiglu_limit};
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // The integer products read X's planes (its x_rows rows); without x_rows, decline (matvec_grouped

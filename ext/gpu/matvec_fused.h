@@ -161,6 +161,8 @@ bool set_pdl(bool on);
 bool set_matvec_int8(bool on);
 // set_matvec_imma(min_cols) (imma.h: 0 off); returns matvec_imma() after it.
 int set_matvec_imma(int min_cols);
+// set_matvec_imma_grouped(min_pairs_per_expert) (imma.h: 0 off); returns matvec_imma_grouped() after it.
+int set_matvec_imma_grouped(int min_pairs_per_expert);
 // Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
 int64_t imma_launches();
 }  // namespace testing
@@ -179,6 +181,7 @@ inline bool set_matvec_mma(bool) { no_backend(); }
 inline bool set_pdl(bool) { no_backend(); }
 inline bool set_matvec_int8(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
+inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int64_t imma_launches() { no_backend(); }
 }  // namespace testing
 

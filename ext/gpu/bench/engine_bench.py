@@ -31,8 +31,8 @@ includes the plan upload, every kernel and the logits download). Method:
   set in this one process (`pdl=0/1` programmatic dependent launch, `l2=0/1` the L2 prefetch,
   `mma=0/1` the tensor cores, `fuse=0/1` the fused launches, `persist=0/1` the direct matvec's
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
-  products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from (0
-  never); joined by ':', variants by ','; what a variant does not name is at its default): prefill
+  products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
+  `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never); joined by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
   the profile runs under each variant (JSON.profile-N.txt);
@@ -189,7 +189,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default.
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 32}  # l2: the engine's default
+                   "tall2": False, "int8": True, "imma": 32, "immag": 2}  # l2: the engine's default
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -198,7 +198,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        want[key] = int(value) if key == "imma" else value != "0"
+        want[key] = int(value) if key in ("imma", "immag") else value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
     _native._testing.gpu_set_matvec_mma(want["mma"])
@@ -207,6 +207,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_tall_stages(2 if want["tall2"] else 1)
     _native._testing.gpu_set_matvec_int8(want["int8"])
     _native._testing.gpu_set_matvec_imma(want["imma"])
+    _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
 
 
 class Runs:
