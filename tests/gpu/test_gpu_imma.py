@@ -1,12 +1,15 @@
-"""The integer tensor-core Q8_0 kernel (ext/gpu/imma_q8.cu) against the SIMT integer kernels, bit for bit.
+"""The integer tensor-core kernels (ext/gpu/imma_q8.cu: dense Q8_0; imma_q4k.cu: grouped Q4_K)
+against the SIMT integer kernels, bit for bit.
 
 Marked ``gpu``. Hooks (``_testing``): ``gpu_set_matvec_imma(min_cols) -> int`` (the fewest columns a
-Q8_0 product takes the tensor cores from, 0 never; process-wide) and ``gpu_imma_launches()`` (the
-kernel's launches so far, so every test here proves it ran). The kernel computes the integer
-sums of each 32-element unit with mma.sync and then the SIMT lanes' float operations in their
-order (virtual lanes, the butterfly, the k-slice tree), so a product must be bit-identical on
-either kernel, at every width, for every k-slice count and partial chunk, for batched members,
-for the products of matvec_multi and in the engine.
+Q8_0 product takes the tensor cores from, 0 never), ``gpu_set_matvec_imma_grouped(min_pairs) -> int``
+(the fewest pairs per expert a grouped Q4_K product takes them from), both process-wide, and
+``gpu_imma_launches()`` (the kernels' launches so far, so every test here proves they ran). The
+kernels compute the integer sums of each unit (half unit for Q4_K) with mma.sync and then the SIMT
+lanes' float operations in their order (virtual lanes, the butterfly, the k-slice tree), so a
+product must be bit-identical on either kernel, at every width, for every k-slice count and
+partial chunk, for batched members, for the products of matvec_multi, for every pair of a grouped
+product, and in the engine.
 """
 
 from __future__ import annotations
@@ -20,15 +23,16 @@ native = pytest.importorskip("ds4_app.engine._native")
 T = native._testing
 pytestmark = pytest.mark.gpu
 
-Q8_0 = 8
+Q8_0, Q4_K = 8, 12
 
 
 @pytest.fixture
 def imma():
-    """Set the threshold inside a test; back to the default after it."""
-    keep = T.gpu_set_matvec_imma(32)
+    """Set the thresholds inside a test; back to the defaults after it."""
+    keep, keep_grouped = T.gpu_set_matvec_imma(32), T.gpu_set_matvec_imma_grouped(2)
     yield T.gpu_set_matvec_imma
     T.gpu_set_matvec_imma(keep)
+    T.gpu_set_matvec_imma_grouped(keep_grouped)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -45,11 +49,14 @@ def on_tensor_cores(fn):
     return out, T.gpu_imma_launches() - before
 
 
-def test_imma_switch_reads_back(imma) -> None:
+def test_imma_switches_read_back(imma) -> None:
     assert imma(0) == 0
     assert imma(48) == 48
-    with pytest.raises(ValueError):
-        imma(-1)
+    assert T.gpu_set_matvec_imma_grouped(0) == 0
+    assert T.gpu_set_matvec_imma_grouped(3) == 3
+    for setter in (imma, T.gpu_set_matvec_imma_grouped):
+        with pytest.raises(ValueError):
+            setter(-1)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall), 2 and 4 (4 chunks;
@@ -119,10 +126,65 @@ def test_batched_members_and_multi_products_match(imma) -> None:
         assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
 
 
+# (K, rows, experts): one k-slice (32 units); two k-slices, rows not a multiple of 32; two k-slices
+# with a partial last chunk (72 units: 2 chunks and 8 units); flash-l4's down shape (2048 -> 4096).
+GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3)]
+
+
+@pytest.mark.parametrize("ne0, ne1, n_expert", GROUPED, ids=[f"{k}x{r}x{e}" for k, r, e in GROUPED])
+def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_expert: int) -> None:
+    """Every pair of a grouped Q4_K product bit-identical on either kernel: parts of 8 and of 3 pairs,
+    lanes routing twice to one expert, nonfinite and tiny activation rows; and a pair equal to its
+    expert's dense product on its column alone."""
+    rng = np.random.default_rng()
+    raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    n_lanes = 40
+    x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+    x[1] *= 1e-30
+    x[2, 100] = np.inf
+    pe = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
+    xr = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
+    for max_part in (8, 3):
+        T.gpu_set_matvec_imma_grouped(0)
+        want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
+        T.gpu_set_matvec_imma_grouped(1)
+        before = T.gpu_imma_launches()
+        got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
+        assert T.gpu_imma_launches() - before == 1
+        assert same_bits(got, want), max_part
+    expert_bytes = ne0 // 256 * 144 * ne1
+    imma(0)
+    for p in (0, 5, 7, len(pe) - 1):
+        one = T.gpu_matmul(Q4_K, raw[pe[p] * expert_bytes : (pe[p] + 1) * expert_bytes], ne0, ne1, x[xr[p] : xr[p] + 1])
+        assert same_bits(one[0], got[p]), p
+
+
+def test_gate_up_pair_declines_to_the_tensor_cores(imma) -> None:
+    """Where the grouped tensor-core kernel takes the stack, matvec_grouped_pair declines (the engine
+    then runs gate and up here and the SwiGLU kernel), and the products keep their bits."""
+    rng = np.random.default_rng()
+    ne0, ne1, n_expert, n_lanes = 2048, 256, 4, 12
+    raw_g, raw_u = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng), tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+    pe = rng.integers(0, n_expert, n_lanes * 2).astype(np.int32)
+    xr = np.repeat(np.arange(n_lanes, dtype=np.int32), 2)
+    T.gpu_set_matvec_imma_grouped(0)
+    g0, u0, fused = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8, 4)
+    assert fused
+    T.gpu_set_matvec_imma_grouped(1)  # 24 pairs >= 1 x 4 experts
+    g1, u1, fused = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8, 4)
+    assert not fused
+    before = T.gpu_imma_launches()
+    g2 = T.gpu_matmul_grouped(Q4_K, raw_g, ne0, ne1, n_expert, x, pe, xr, 8)
+    assert T.gpu_imma_launches() - before == 1
+    assert same_bits(g2, g0) and same_bits(g1, g0) and same_bits(u1, u0)
+
+
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
-    """The tiny preset's prompt packed 40 rows a step: the same logits with the tensor cores taking
-    every Q8_0 product of 4 or more columns and with them off, eager and under graphs (the
-    threshold is part of the graph key)."""
+    """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
+    taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
+    expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
+    key)."""
     from ds4_app.engine.presets import tiny
     from ds4_app.engine.synth import synthesize
     from ds4_app.engine.gguf_file import ModelFile
@@ -138,6 +200,7 @@ def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
         gpu.use_graphs = graphs
         for threshold in (0, 4):
             imma(threshold)
+            T.gpu_set_matvec_imma_grouped(1 if threshold else 0)
             before = T.gpu_imma_launches()
             gpu.reset_slot(0)
             gpu.reset_slot(1)
