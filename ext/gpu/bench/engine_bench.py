@@ -25,7 +25,7 @@ includes the plan upload, every kernel and the logits download). Method:
 - then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
   indexer then scores 525 entries a lane and keeps 512);
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
-  (at the long context) and 2 prefill steps of 64 rows, eager + tall + staged + chunked, into
+  (at the long context) and 2 prefill steps of --profile-rows rows (64), eager + tall + staged + chunked, into
   JSON.profile.txt;
 - --variants: instead of the three modes, the default mode under each of several switch settings
   set in this one process (`pdl=0/1` programmatic dependent launch, `l2=0/1` the L2 prefetch,
@@ -131,9 +131,9 @@ def prefill(runner: Runner, slot: int, tokens: np.ndarray, rows: int) -> np.ndar
     return logits
 
 
-def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | None) -> dict:
+def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | None, rows: int = 64) -> dict:
     """Device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and C = 8 and
-    2 prefill steps of 64 rows; the tables go to path, the top kernels into the result."""
+    2 prefill steps of `rows` rows; the tables go to path, the top kernels into the result."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -144,7 +144,7 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
         return 0.0
 
     out, text = {}, []
-    cases = {"decode_c1": 1, "decode_c8": 8, "prefill_64": 0}
+    cases = {"decode_c1": 1, "decode_c8": 8, f"prefill_{rows}": 0}
     for name, c in cases.items():
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5 if c else 2):
@@ -155,7 +155,7 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
                         nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
                 else:
                     runner.reset_slot(SLOTS - 1)
-                    lanes = [(SLOTS - 1, 5 + k, k, k == 63) for k in range(64)]
+                    lanes = [(SLOTS - 1, 5 + k, k, k == rows - 1) for k in range(rows)]
                     runner.step(StepPlan.build(lanes, {SLOTS - 1: table(SLOTS - 1)}, BLOCKS))
         rows = sorted(((e.key, e.count, dev_time(e)) for e in prof.key_averages()), key=lambda r: -r[2])
         total = sum(r[2] for r in rows)
@@ -325,6 +325,7 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
     ap.add_argument("--variants", default="", help="switch settings to compare in one process (module docstring)")
+    ap.add_argument("--profile-rows", type=int, default=64, help="prompt rows of the profiled prefill steps")
     ap.add_argument("--prefill-rows", default="16,64",
                     help="prompt rows a prefill step, comma-separated (the runner's max_rows is the largest, at least 64)")
     args = ap.parse_args()
@@ -399,7 +400,8 @@ def main() -> int:
         if variant is not None:
             set_variant(runner, variant, runs.l2_default)
         try:
-            result[key] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(suffix) if args.json else None)
+            result[key] = profile(runner, mf, nxt, pos, Path(args.json).with_suffix(suffix) if args.json else None,
+                                  args.profile_rows)
         except Exception as e:  # the profile is a diagnostic; the figures above stand without it
             result[key] = {"error": f"{type(e).__name__}: {e}"}
             print("profile:", result[key])
