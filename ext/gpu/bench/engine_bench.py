@@ -131,9 +131,9 @@ def prefill(runner: Runner, slot: int, tokens: np.ndarray, rows: int) -> np.ndar
     return logits
 
 
-def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | None, rows: int = 64) -> dict:
+def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | None, prompt_rows: int = 64) -> dict:
     """Device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and C = 8 and
-    2 prefill steps of `rows` rows; the tables go to path, the top kernels into the result."""
+    2 prefill steps of `prompt_rows` rows; the tables go to path, the top kernels into the result."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -144,7 +144,7 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
         return 0.0
 
     out, text = {}, []
-    cases = {"decode_c1": 1, "decode_c8": 8, f"prefill_{rows}": 0}
+    cases = {"decode_c1": 1, "decode_c8": 8, f"prefill_{prompt_rows}": 0}
     for name, c in cases.items():
         with torch_profile(activities=[ProfilerActivity.CUDA]) as prof:
             for _ in range(5 if c else 2):
@@ -155,7 +155,7 @@ def profile(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, path: Path | No
                         nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
                 else:
                     runner.reset_slot(SLOTS - 1)
-                    lanes = [(SLOTS - 1, 5 + k, k, k == rows - 1) for k in range(rows)]
+                    lanes = [(SLOTS - 1, 5 + k, k, k == prompt_rows - 1) for k in range(prompt_rows)]
                     runner.step(StepPlan.build(lanes, {SLOTS - 1: table(SLOTS - 1)}, BLOCKS))
         rows = sorted(((e.key, e.count, dev_time(e)) for e in prof.key_averages()), key=lambda r: -r[2])
         total = sum(r[2] for r in rows)
