@@ -25,7 +25,8 @@
 // n-tile of the part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a row) the block
 // copies its rows' 576 bytes (cp.async, two stages); a warp's units of the chunk are unit
 // positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it must
-// move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
+// move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y. The
+// block decodes a chunk's (dl, ml) pairs once into shared memory (q4k_unit_scales) for all warps.
 #include <atomic>
 
 #include "imma.cuh"
@@ -51,6 +52,8 @@ constexpr int kGqOut = kGqRows * kGqCols;
 constexpr int kGqRedPitch = kGqCols + 1;
 constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
 constexpr int kGqSmem = 2 * kGqStage + kGqWarps * kGqRed * 4;          // under the 48 KB default
+constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
+static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
 static_assert(kGqOut == kGqThreads, "a thread stores one output");
 static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
@@ -66,6 +69,8 @@ __global__ void __launch_bounds__(kGqThreads)
                             float* __restrict__ Y, int64_t ldy) {
   extern __shared__ __align__(16) uint8_t smem[];
   float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
+  float4* scales = reinterpret_cast<float4*>(red);
   // The parts come from the planner just before: wait for it first.
   ds4_grid_begin();
   const int p = static_cast<int>(blockIdx.y);
@@ -125,15 +130,14 @@ __global__ void __launch_bounds__(kGqThreads)
       blo[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + 32 * pl));
       bhi[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl));
     }
-    float slo[2], shi[2];
-    int32_t mlo[2], mhi[2];
+    float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const uint8_t* rc = pc[j] + kPlaneBytes * xa + kPlaneScaleOff;
       slo[j] = ds4_ldg(reinterpret_cast<const float*>(rc)) * 0.00390625f;  // exact
-      mlo[j] = ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h));
+      mlo[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h)));
       shi[j] = ds4_ldg(reinterpret_cast<const float*>(rc + kPlaneBytes)) * 0.00390625f;
-      mhi[j] = ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h));
+      mhi[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h)));
     }
 #pragma unroll
     for (int mt = 0; mt < kGqMT; ++mt) {
@@ -141,12 +145,13 @@ __global__ void __launch_bounds__(kGqThreads)
       float dl0[2], ml0[2], dl1[2], ml1[2];
 #pragma unroll
       for (int rr = 0; rr < 2; ++rr) {
-        const uint8_t* blk = chunk + (16 * mt + g + 8 * rr) * kGqPitch + 144 * k;
-        const uint4 head = *reinterpret_cast<const uint4*>(blk);
-        const uint32_t qw = *reinterpret_cast<const uint32_t*>(blk + 16 + 32 * cpos + 16 * h + 4 * t);
+        const int row = 16 * mt + g + 8 * rr;
+        const uint32_t qw =
+            *reinterpret_cast<const uint32_t*>(chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 16 * h + 4 * t);
         alo[rr] = qw & 0x0f0f0f0fu;
         ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
-        q4k_unit_scales(head.x, head.y, head.z, head.w, cpos, &dl0[rr], &ml0[rr], &dl1[rr], &ml1[rr]);
+        const float4 f = scales[row * kGqScalePitch + 4 * k + cpos];
+        dl0[rr] = f.x, ml0[rr] = f.y, dl1[rr] = f.z, ml1[rr] = f.w;
       }
       const int zero4[4] = {0, 0, 0, 0};
       int s1[4], tlo[4], s2lo[4], thi[4], s2hi[4];
@@ -164,9 +169,9 @@ __global__ void __launch_bounds__(kGqThreads)
       for (int e = 0; e < 4; ++e) {
         const int rr = e >> 1, j = e & 1;
         const float flo = fmaf(small_int_to_float(s2lo[e]), 65536.0f, static_cast<float>(tlo[e]));
-        float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), static_cast<float>(mlo[j]), a[mt][e]));
+        float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), mlo[j], a[mt][e]));
         const float fhi = fmaf(small_int_to_float(s2hi[e]), 65536.0f, static_cast<float>(thi[e]));
-        a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), static_cast<float>(mhi[j]), v));
+        a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), mhi[j], v));
       }
     }
   };
@@ -184,6 +189,16 @@ __global__ void __launch_bounds__(kGqThreads)
     ds4_cp_async_wait<1>();
     __syncthreads();
     const uint8_t* chunk = smem + stage * kGqStage;
+    // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
+    // the row's end gives values no unit reads).
+    for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
+      const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
+      const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
+      float4 f;
+      q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
+      scales[row * kGqScalePitch + 4 * k + c] = f;
+    }
+    __syncthreads();
 #pragma unroll
     for (int k = 0; k < 4; ++k)
       if (32 * q + 8 * k < units) apply(chunk, q, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
