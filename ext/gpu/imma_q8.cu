@@ -32,11 +32,10 @@
 // path's static_cast gives (round to nearest even). So every output equals the SIMT kernels', and
 // a column's bits depend on nothing else in the call (tests/gpu/test_gpu_imma.py checks both).
 //
-// Layout of the work: block (x, y, z) works the row tiles x, x + gridDim.x, ... (32 rows each; about
-// one block an SM) x columns [32y, 32y + 32) of member z; 16 warps, each all 32 x 32 outputs of a
-// tile (2 m-tiles x 4 n-tiles) for its two virtual lanes. Per chunk of 32 units the block copies
-// its 32 rows' 1088 bytes (cp.async, two stages: the next chunk, of this tile or the next, is in
-// flight meanwhile) into shared memory; each warp reads the A fragments of its units from there and the B fragments (plane
+// Layout of the work: block (x, y, z) = rows [32x, 32x + 32) x columns [32y, 32y + 32) of member
+// z; 16 warps, each all 32 x 32 outputs (2 m-tiles x 4 n-tiles) for its two virtual lanes. Per
+// chunk of 32 units the block copies its 32 rows' 1088 bytes (cp.async, two stages) into shared
+// memory; each warp reads the A fragments of its units from there and the B fragments (plane
 // words) and scales straight from global memory (L1/L2: every row block reads them).
 // Bytes it must move: the weights once per 32 columns, the planes once per 32 rows (from L2), Y.
 //
@@ -73,9 +72,8 @@ constexpr int kImmaPitch = kImmaChunk + 16;         // shared row pitch (spreads
 constexpr int kImmaStage = kImmaRows * kImmaPitch;  // one copy stage
 constexpr int kImmaRedPitch = kImmaCols + 1;      // the sums' row pitch (floats; spreads the banks)
 constexpr int kImmaRed = kImmaRows * kImmaRedPitch;  // one warp's sums
+constexpr int kImmaSmem = 2 * kImmaStage + kImmaWarps * kImmaRed * 4;  // two stages, then the sums
 constexpr int kImmaMaxSlices = 4;
-// Two stages, the warps' sums, each k-slice's sums.
-constexpr int kImmaSmem = 2 * kImmaStage + kImmaWarps * kImmaRed * 4 + kImmaMaxSlices * kImmaOut * 4;
 static_assert(kImmaOut % kImmaThreads == 0, "every thread adds the same number of outputs");
 static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
 
@@ -108,7 +106,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   W += static_cast<int64_t>(blockIdx.z) * w_member;
   P += static_cast<int64_t>(blockIdx.z) * p_member;
   Y += static_cast<int64_t>(blockIdx.z) * y_member;
-  const int64_t n_tiles = (rows + kImmaRows - 1) / kImmaRows;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kImmaRows;
   const int c0 = static_cast<int>(blockIdx.y) * kImmaCols;
 
   // This thread's plane records (byte offsets from P, below 2^31: the launcher checks): B column
@@ -130,9 +128,9 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     const int64_t s1 = q % ks + 1;
     return s1 < ks && s1 < n_chunks ? s1 : -1;
   };
-  // Copy chunk q of row tile `tile` into stage `stage` (rows past the end re-read the last row).
-  auto issue = [&](int64_t tile, int64_t q, int stage) {
-    const int64_t u0 = 32 * q, r0 = tile * kImmaRows;
+  // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
+  auto issue = [&](int64_t q, int stage) {
+    const int64_t u0 = 32 * q;
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
     uint8_t* dst = smem + stage * kImmaStage;
     for (int i = static_cast<int>(threadIdx.x); i < kImmaRows * nvec; i += kImmaThreads) {
@@ -144,10 +142,13 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   };
 
   float acc[2][kImmaMT][kImmaNT][4];
-  // Each k-slice's sum of the tile's outputs, in shared memory (output o's are written and read by
-  // the thread that adds it: no barrier). Every slice of a tile has a chunk (KS = 2 from 64 units, 4
-  // from 128), so every ys entry a tile reads was written for it.
-  float* ys = red + kImmaWarps * kImmaRed;
+  // Each k-slice's sum of this thread's outputs (slices without a chunk keep +0, as a SIMT warp
+  // with no unit does).
+  float ys[kImmaMaxSlices][kImmaOut / kImmaThreads];
+#pragma unroll
+  for (int s = 0; s < kImmaMaxSlices; ++s)
+#pragma unroll
+    for (int j = 0; j < kImmaOut / kImmaThreads; ++j) ys[s][j] = 0.0f;
   auto zero = [&] {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
@@ -201,20 +202,15 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     }
   };
 
-  // A block works row tiles blockIdx.x, + gridDim.x, ... (a grid of about one block an SM), each
-  // tile's chunks in the order above, as one stream: the next chunk, of this tile or the next one,
-  // is in flight while the warps work on this one. The first weights are in flight before the wait
-  // for the kernels that wrote the planes.
-  int64_t tile = n_chunks > 0 ? static_cast<int64_t>(blockIdx.x) : n_tiles, q = 0;
-  if (tile < n_tiles) issue(tile, 0, 0);
+  // The first weights are in flight before the wait for the kernels that wrote the planes.
+  if (n_chunks > 0) issue(0, 0);
   ds4_grid_begin();
   zero();
   int stage = 0;
-  while (tile < n_tiles) {
-    const int64_t after = next_of(q);  // -1: q is the tile's last chunk
-    const int64_t ntile = after >= 0 ? tile : tile + gridDim.x, nq = after >= 0 ? after : 0;
-    if (ntile < n_tiles) {
-      issue(ntile, nq, stage ^ 1);
+  for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
+    const int64_t nq = next_of(q);
+    if (nq >= 0) {
+      issue(nq, stage ^ 1);
     } else {
       ds4_cp_async_commit();  // an empty group keeps the count right
     }
@@ -229,7 +225,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     }
     __syncthreads();  // the stage is free before it is filled again
     const int s_now = static_cast<int>(q % ks);
-    if (after < 0 || after % ks != s_now) {
+    if (nq < 0 || nq % ks != s_now) {
       // The slice's butterfly: A_w in registers, the rest through shared memory.
 #pragma unroll
       for (int mt = 0; mt < kImmaMT; ++mt)
@@ -249,26 +245,24 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * kImmaRed + at] + red[(w + 8) * kImmaRed + at];
         const float y = butterfly_of_eight(b);
-        ys[s_now * kImmaOut + o] = y;
+#pragma unroll
+        for (int s = 0; s < kImmaMaxSlices; ++s)
+          if (s == s_now) ys[s][j] = y;
       }
       __syncthreads();
       zero();
     }
-    if (after < 0) {  // the tile's sums are whole: the k-slice tree, then Y
-#pragma unroll
-      for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
-        const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-        const int64_t row = tile * kImmaRows + o / kImmaCols;
-        const int col = c0 + o % kImmaCols;
-        float y4[kImmaMaxSlices];
-#pragma unroll
-        for (int s = 0; s < kImmaMaxSlices; ++s) y4[s] = s < ks ? ys[s * kImmaOut + o] : 0.0f;
-        if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = kslice_tree(y4, ks);
-      }
-    }
-    tile = ntile;
     q = nq;
     stage ^= 1;
+  }
+#pragma unroll
+  for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
+    const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
+    const int64_t row = r0 + o / kImmaCols;
+    const int col = c0 + o % kImmaCols;
+    const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
+    const float y = kslice_tree(y4, ks);
+    if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
   }
 }
 
@@ -343,11 +337,8 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
-  // About one block an SM (its registers take the SM), each working several row tiles in turn.
-  const int64_t n_tiles = (rows + kImmaRows - 1) / kImmaRows, col_tiles = (ncols + kImmaCols - 1) / kImmaCols;
-  const int64_t per_sm = (device_sms() + col_tiles * n_batch - 1) / (col_tiles * n_batch);
-  const dim3 grid(static_cast<unsigned>(std::min(n_tiles, std::max<int64_t>(per_sm, 1))),
-                  static_cast<unsigned>(col_tiles), static_cast<unsigned>(n_batch));
+  const dim3 grid(static_cast<unsigned>((rows + kImmaRows - 1) / kImmaRows),
+                  static_cast<unsigned>((ncols + kImmaCols - 1) / kImmaCols), static_cast<unsigned>(n_batch));
   launch(imma_q8_kernel, grid, kImmaThreads, kImmaSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols,
          Y, ldy, w_member, static_cast<int64_t>(ncols) * ldp, y_member);
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
