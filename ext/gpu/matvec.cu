@@ -769,13 +769,13 @@ void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stri
     return;
   // Planes: member i's column c at P + (i * ncols + c) * ldp, passed where X goes (ldx, batch.x in bytes).
   const MatvecBatch batch{w_stride_bytes, planes ? static_cast<int64_t>(ncols) * ldp : x_stride, y_stride};
-  // Wider products run as 16-column chunks: each column is still single-column arithmetic.
-  for (int c0 = 0; c0 < ncols; c0 += kMaxCols) {
-    const int nc = std::min(kMaxCols, ncols - c0);
-    auto x_at = [&](int c) {
-      return planes ? reinterpret_cast<const float*>(P + static_cast<int64_t>(c) * ldp) : X + static_cast<int64_t>(c) * ldx;
-    };
-    const int64_t lx = planes ? ldp : ldx;
+  auto x_at = [&](int c) {
+    return planes ? reinterpret_cast<const float*>(P + static_cast<int64_t>(c) * ldp) : X + static_cast<int64_t>(c) * ldx;
+  };
+  const int64_t lx = planes ? ldp : ldx;
+  // Columns [c0, c0 + nc) of every member, nb members `bt` apart: one launch (the staged kernel: a
+  // launch a piece).
+  auto run = [&](int c0, int nc, int nb, const MatvecBatch& bt) {
     float* Yc = Y + static_cast<int64_t>(c0) * ldy;
     const int pieces = staged_pieces(W, nc, staged_min);
     if (pieces > 0) {
@@ -785,30 +785,40 @@ void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stri
         const float* Xp = x_at(c0 + p0);
         float* Yp = Yc + static_cast<int64_t>(p0) * ldy;
         switch (W.type) {
-          case DType::F16: launch_staged<kF16>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
-          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
-          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
-          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
-          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, lx, Yp, ldy, n_batch, batch, s, planes); break;
+          case DType::F16: launch_staged<kF16>(W, units, Xp, w, lx, Yp, ldy, nb, bt, s, planes); break;
+          case DType::BF16: launch_staged<kBF16>(W, units, Xp, w, lx, Yp, ldy, nb, bt, s, planes); break;
+          case DType::Q8_0: launch_staged<kQ8_0>(W, units, Xp, w, lx, Yp, ldy, nb, bt, s, planes); break;
+          case DType::Q4_K: launch_staged<kQ4_K>(W, units, Xp, w, lx, Yp, ldy, nb, bt, s, planes); break;
+          case DType::MXFP4: launch_staged<kMXFP4>(W, units, Xp, w, lx, Yp, ldy, nb, bt, s, planes); break;
           default: throw std::invalid_argument("GPU matvec: unsupported weight type");
         }
         DS4_GPU_CHECK_LAUNCH("matvec_staged_kernel");
         p0 += w;
       }
-      continue;
+      return;
     }
     const float* Xc = x_at(c0);
     switch (W.type) {
-      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
-      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
-      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
-      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
-      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
-      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, lx, Yc, ldy, tall, n_batch, batch, s, planes); break;
+      case DType::F32: launch_dense<kF32>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
+      case DType::F16: launch_dense<kF16>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
+      case DType::BF16: launch_dense<kBF16>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
+      case DType::Q8_0: launch_dense<kQ8_0>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
+      case DType::Q4_K: launch_dense<kQ4_K>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
+      case DType::MXFP4: launch_dense<kMXFP4>(W, units, Xc, nc, lx, Yc, ldy, tall, nb, bt, s, planes); break;
       default: throw std::invalid_argument("GPU matvec: unsupported weight type");
     }
     DS4_GPU_CHECK_LAUNCH("matvec_dense_kernel");
+  };
+  // Wider products run as 16-column chunks: each column is still single-column arithmetic. A
+  // one-member call's whole chunks are the members of one launch (the weights shared, 16 columns
+  // apart): the same kernels, so the same bits, with every chunk's blocks in one grid.
+  int c0 = 0;
+  if (n_batch == 1 && ncols >= 2 * kMaxCols) {
+    const int chunks = std::min(ncols / kMaxCols, 65535);
+    run(0, kMaxCols, chunks, MatvecBatch{0, kMaxCols * (planes ? ldp : ldx), kMaxCols * ldy});
+    c0 = chunks * kMaxCols;
   }
+  for (; c0 < ncols; c0 += kMaxCols) run(c0, std::min(kMaxCols, ncols - c0), n_batch, batch);
 }
 
 }  // namespace

@@ -123,8 +123,13 @@ void launch_multi(int ta, int tb, bool tall, int nc, const MultiArgs& a, int64_t
 // Launches matvec makes for one product (its 16-column chunks, each direct or in staged pieces).
 int matvec_launches(const TensorView& W, int ncols, int staged_min) {
   if (ncols <= 0 || W.ne[1] == 0) return 0;
-  int n = 0;
-  for (int c0 = 0; c0 < ncols; c0 += kMaxCols)
+  // matvec_simt: from 32 columns the whole 16-column chunks are one launch (a launch a piece).
+  int n = 0, c0 = 0;
+  if (ncols >= 2 * kMaxCols) {
+    n += std::max(1, detail::matvec_staged_pieces(W, kMaxCols, staged_min));
+    c0 = ncols / kMaxCols * kMaxCols;
+  }
+  for (; c0 < ncols; c0 += kMaxCols)
     n += std::max(1, detail::matvec_staged_pieces(W, std::min(kMaxCols, ncols - c0), staged_min));
   return n;
 }

@@ -91,6 +91,26 @@ def test_matmul_columns_bit_identical_to_single_column(t: int) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
+@pytest.mark.parametrize("ne0, ne1", [(4096, 300), (1024, 2100)], ids=["short", "staged"])
+def test_wide_calls_fold_their_chunks_into_one_launch(t: int, ne0: int, ne1: int) -> None:
+    """A call of 32 or more columns runs its whole 16-column chunks as the members of one launch, then
+    the rest: every column bit-identical to its own 16-column chunk run alone (the direct kernel for
+    few rows, the staged one from 512); the integer tensor cores off, so Q8_0 takes this path too."""
+    rng = np.random.default_rng()
+    raw = tame_raw(t, ne0 * ne1, rng)
+    x = rng.standard_normal((53, ne0)).astype(np.float32)
+    keep = T.gpu_set_matvec_imma(0)
+    try:
+        got = T.gpu_matmul(t, raw, ne0, ne1, x)
+        for c0 in range(0, 53, 16):
+            want = T.gpu_matmul(t, raw, ne0, ne1, x[c0 : c0 + 16])
+            assert np.array_equal(got[c0 : c0 + 16].view(np.uint32), want.view(np.uint32)), (NAMES[t], c0)
+    finally:
+        T.gpu_set_matvec_imma(keep)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("t", [8, 1, 30, 0], ids=["Q8_0", "F16", "BF16", "F32"])
 def test_tall_variant_gives_the_same_bits(t: int) -> None:
     """matvec's tall variant (twice the rows per warp, from 16384 rows; Q8_0/F16/BF16 only, F32 falls
