@@ -21,12 +21,13 @@
 // so it forms B_w = (a_w + a_(w+16)) + (a_(w+8) + a_(w+24)) in registers; the block adds the eight
 // B_w through shared memory in the butterfly's order.
 //
-// Layout of the work: block (x, p) = rows [32x, 32x + 32) of part p, 8 warps of 32 threads, one
-// n-tile of the part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a row) the block
+// Layout of the work: block (x, y) = rows [32x, 32x + 32) of parts y, y + gridDim.y, ..., 8 warps of
+// 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a row) the block
 // copies its rows' 576 bytes (cp.async, two stages); a warp's units of the chunk are unit
 // positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it must
 // move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y. The
 // block decodes a chunk's (dl, ml) pairs once into shared memory (q4k_unit_scales) for all warps.
+#include <algorithm>
 #include <atomic>
 
 #include "imma.cuh"
@@ -73,168 +74,171 @@ __global__ void __launch_bounds__(kGqThreads)
   float4* scales = reinterpret_cast<float4*>(red);
   // The parts come from the planner just before: wait for it first.
   ds4_grid_begin();
-  const int p = static_cast<int>(blockIdx.y);
-  if (p >= *n_parts) return;
-  const ExpertPartDev pt = parts[p];
-  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
-  const int g = lane >> 2, t = lane & 3;
-  const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
-  const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
-  const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
-  auto x_of = [&](int j) {  // X row of the part's column j (past the part: its last column, never stored)
-    const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
-    return x_row != nullptr ? x_row[pair] : pair;
-  };
-  // Records of this thread's B column (g) and C columns (2t, 2t + 1), at X unit 0.
-  const uint8_t* pb = planes + static_cast<int64_t>(x_of(g)) * ldp;
-  const uint8_t* pc[2] = {planes + static_cast<int64_t>(x_of(2 * t)) * ldp,
-                          planes + static_cast<int64_t>(x_of(2 * t + 1)) * ldp};
+  // Parts p = blockIdx.y, + gridDim.y, ... (the grid is sized for a few waves, not for the bound on
+  // parts, most of which a step does not have).
+  for (int p = static_cast<int>(blockIdx.y); p < *n_parts; p += static_cast<int>(gridDim.y)) {
+    const ExpertPartDev pt = parts[p];
+    const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+    const int g = lane >> 2, t = lane & 3;
+    const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
+    const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
+    const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
+    auto x_of = [&](int j) {  // X row of the part's column j (past the part: its last column, never stored)
+      const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
+      return x_row != nullptr ? x_row[pair] : pair;
+    };
+    // Records of this thread's B column (g) and C columns (2t, 2t + 1), at X unit 0.
+    const uint8_t* pb = planes + static_cast<int64_t>(x_of(g)) * ldp;
+    const uint8_t* pc[2] = {planes + static_cast<int64_t>(x_of(2 * t)) * ldp,
+                            planes + static_cast<int64_t>(x_of(2 * t + 1)) * ldp};
 
-  const int n_chunks = (units + 31) / 32;
-  auto next_of = [&](int q) {  // the chunk after q: slice by slice, each slice's chunks in order
-    if (q + ks < n_chunks) return q + ks;
-    const int s1 = q % ks + 1;
-    return s1 < ks && s1 < n_chunks ? s1 : -1;
-  };
-  auto issue = [&](int q, int stage) {
-    const int left = units - 32 * q;
-    const int nvec = (left < 32 ? left : 32) * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
-    uint8_t* dst = smem + stage * kGqStage;
-    for (int i = static_cast<int>(threadIdx.x); i < kGqRows * nvec; i += kGqThreads) {
-      const int r = i / nvec, v = i % nvec;
-      const int row = r0 + r < rows ? r0 + r : rows - 1;
-      ds4_cp_async16(dst + r * kGqPitch + 16 * v, We + row * row_bytes + static_cast<int64_t>(q) * kGqChunk + 16 * v);
-    }
-    ds4_cp_async_commit();
-  };
-
-  float acc[4][kGqMT][4];
-  float ys[kGqMaxSlices] = {0.0f, 0.0f, 0.0f, 0.0f};
-  auto zero = [&] {
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int mt = 0; mt < kGqMT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
-  };
-
-  // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
-  auto apply = [&](const uint8_t* chunk, int q, int k, float (&a)[kGqMT][4]) {
-    // X units of the low and high nibbles: 8 (4q + k) + 2 cpos and the next one.
-    const int64_t xa = 8 * (4 * static_cast<int64_t>(q) + k) + 2 * cpos;
-    uint32_t blo[3], bhi[3];
-    const uint8_t* rb = pb + kPlaneBytes * xa + 16 * h + 4 * t;
-#pragma unroll
-    for (int pl = 0; pl < 3; ++pl) {
-      blo[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + 32 * pl));
-      bhi[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl));
-    }
-    float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const uint8_t* rc = pc[j] + kPlaneBytes * xa + kPlaneScaleOff;
-      slo[j] = ds4_ldg(reinterpret_cast<const float*>(rc)) * 0.00390625f;  // exact
-      mlo[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h)));
-      shi[j] = ds4_ldg(reinterpret_cast<const float*>(rc + kPlaneBytes)) * 0.00390625f;
-      mhi[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h)));
-    }
-#pragma unroll
-    for (int mt = 0; mt < kGqMT; ++mt) {
-      uint32_t alo[2], ahi[2];
-      float dl0[2], ml0[2], dl1[2], ml1[2];
-#pragma unroll
-      for (int rr = 0; rr < 2; ++rr) {
-        const int row = 16 * mt + g + 8 * rr;
-        const uint32_t qw =
-            *reinterpret_cast<const uint32_t*>(chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 16 * h + 4 * t);
-        alo[rr] = qw & 0x0f0f0f0fu;
-        ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
-        const float4 f = scales[row * kGqScalePitch + 4 * k + cpos];
-        dl0[rr] = f.x, ml0[rr] = f.y, dl1[rr] = f.z, ml1[rr] = f.w;
+    const int n_chunks = (units + 31) / 32;
+    auto next_of = [&](int q) {  // the chunk after q: slice by slice, each slice's chunks in order
+      if (q + ks < n_chunks) return q + ks;
+      const int s1 = q % ks + 1;
+      return s1 < ks && s1 < n_chunks ? s1 : -1;
+    };
+    auto issue = [&](int q, int stage) {
+      const int left = units - 32 * q;
+      const int nvec = (left < 32 ? left : 32) * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
+      uint8_t* dst = smem + stage * kGqStage;
+      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * nvec; i += kGqThreads) {
+        const int r = i / nvec, v = i % nvec;
+        const int row = r0 + r < rows ? r0 + r : rows - 1;
+        ds4_cp_async16(dst + r * kGqPitch + 16 * v, We + row * row_bytes + static_cast<int64_t>(q) * kGqChunk + 16 * v);
       }
-      const int zero4[4] = {0, 0, 0, 0};
-      int s1[4], tlo[4], s2lo[4], thi[4], s2hi[4];
-      mma_s8_k16(s1, alo[0], alo[1], blo[1], zero4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s1[e] *= 256;
-      mma_s8_k16(tlo, alo[0], alo[1], blo[0], s1);
-      mma_s8_k16(s2lo, alo[0], alo[1], blo[2], zero4);
-      mma_s8_k16(s1, ahi[0], ahi[1], bhi[1], zero4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s1[e] *= 256;
-      mma_s8_k16(thi, ahi[0], ahi[1], bhi[0], s1);
-      mma_s8_k16(s2hi, ahi[0], ahi[1], bhi[2], zero4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int rr = e >> 1, j = e & 1;
-        const float flo = fmaf(small_int_to_float(s2lo[e]), 65536.0f, static_cast<float>(tlo[e]));
-        float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), mlo[j], a[mt][e]));
-        const float fhi = fmaf(small_int_to_float(s2hi[e]), 65536.0f, static_cast<float>(thi[e]));
-        a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), mhi[j], v));
-      }
-    }
-  };
+      ds4_cp_async_commit();
+    };
 
-  int stage = 0;
-  if (n_chunks > 0) issue(0, 0);
-  zero();
-  for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
-    const int nq = next_of(q);
-    if (nq >= 0) {
-      issue(nq, stage ^ 1);
-    } else {
-      ds4_cp_async_commit();  // an empty group keeps the count right
-    }
-    ds4_cp_async_wait<1>();
-    __syncthreads();
-    const uint8_t* chunk = smem + stage * kGqStage;
-    // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
-    // the row's end gives values no unit reads).
-    for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
-      const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
-      const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
-      float4 f;
-      q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
-      scales[row * kGqScalePitch + 4 * k + c] = f;
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-      if (32 * q + 8 * k < units) apply(chunk, q, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
-    __syncthreads();  // the stage is free before it is filled again
-    const int s_now = q % ks;
-    if (nq < 0 || nq % ks != s_now) {
-      // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
-      // shared memory.
-#pragma unroll
-      for (int mt = 0; mt < kGqMT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
-          red[warp * kGqRed + row * kGqRedPitch + col] =
-              (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
+    float acc[4][kGqMT][4];
+    float ys[kGqMaxSlices] = {0.0f, 0.0f, 0.0f, 0.0f};
+    auto zero = [&] {
+  #pragma unroll
+      for (int k = 0; k < 4; ++k)
+  #pragma unroll
+        for (int mt = 0; mt < kGqMT; ++mt)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
+    };
+
+    // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
+    auto apply = [&](const uint8_t* chunk, int q, int k, float (&a)[kGqMT][4]) {
+      // X units of the low and high nibbles: 8 (4q + k) + 2 cpos and the next one.
+      const int64_t xa = 8 * (4 * static_cast<int64_t>(q) + k) + 2 * cpos;
+      uint32_t blo[3], bhi[3];
+      const uint8_t* rb = pb + kPlaneBytes * xa + 16 * h + 4 * t;
+  #pragma unroll
+      for (int pl = 0; pl < 3; ++pl) {
+        blo[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + 32 * pl));
+        bhi[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl));
+      }
+      float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
+  #pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        const uint8_t* rc = pc[j] + kPlaneBytes * xa + kPlaneScaleOff;
+        slo[j] = ds4_ldg(reinterpret_cast<const float*>(rc)) * 0.00390625f;  // exact
+        mlo[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h)));
+        shi[j] = ds4_ldg(reinterpret_cast<const float*>(rc + kPlaneBytes)) * 0.00390625f;
+        mhi[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h)));
+      }
+  #pragma unroll
+      for (int mt = 0; mt < kGqMT; ++mt) {
+        uint32_t alo[2], ahi[2];
+        float dl0[2], ml0[2], dl1[2], ml1[2];
+  #pragma unroll
+        for (int rr = 0; rr < 2; ++rr) {
+          const int row = 16 * mt + g + 8 * rr;
+          const uint32_t qw =
+              *reinterpret_cast<const uint32_t*>(chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 16 * h + 4 * t);
+          alo[rr] = qw & 0x0f0f0f0fu;
+          ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
+          const float4 f = scales[row * kGqScalePitch + 4 * k + cpos];
+          dl0[rr] = f.x, ml0[rr] = f.y, dl1[rr] = f.z, ml1[rr] = f.w;
         }
+        const int zero4[4] = {0, 0, 0, 0};
+        int s1[4], tlo[4], s2lo[4], thi[4], s2hi[4];
+        mma_s8_k16(s1, alo[0], alo[1], blo[1], zero4);
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) s1[e] *= 256;
+        mma_s8_k16(tlo, alo[0], alo[1], blo[0], s1);
+        mma_s8_k16(s2lo, alo[0], alo[1], blo[2], zero4);
+        mma_s8_k16(s1, ahi[0], ahi[1], bhi[1], zero4);
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) s1[e] *= 256;
+        mma_s8_k16(thi, ahi[0], ahi[1], bhi[0], s1);
+        mma_s8_k16(s2hi, ahi[0], ahi[1], bhi[2], zero4);
+  #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int rr = e >> 1, j = e & 1;
+          const float flo = fmaf(small_int_to_float(s2lo[e]), 65536.0f, static_cast<float>(tlo[e]));
+          float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), mlo[j], a[mt][e]));
+          const float fhi = fmaf(small_int_to_float(s2hi[e]), 65536.0f, static_cast<float>(thi[e]));
+          a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), mhi[j], v));
+        }
+      }
+    };
+
+    int stage = 0;
+    if (n_chunks > 0) issue(0, 0);
+    zero();
+    for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
+      const int nq = next_of(q);
+      if (nq >= 0) {
+        issue(nq, stage ^ 1);
+      } else {
+        ds4_cp_async_commit();  // an empty group keeps the count right
+      }
+      ds4_cp_async_wait<1>();
       __syncthreads();
-      const int o = static_cast<int>(threadIdx.x);
-      const int at = (o / kGqCols) * kGqRedPitch + o % kGqCols;
-      float b[8];
-#pragma unroll
-      for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
-      const float y = butterfly_of_eight(b);
-#pragma unroll
-      for (int s = 0; s < kGqMaxSlices; ++s)
-        if (s == s_now) ys[s] = y;
+      const uint8_t* chunk = smem + stage * kGqStage;
+      // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
+      // the row's end gives values no unit reads).
+      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
+        const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
+        const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
+        float4 f;
+        q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
+        scales[row * kGqScalePitch + 4 * k + c] = f;
+      }
       __syncthreads();
-      zero();
+  #pragma unroll
+      for (int k = 0; k < 4; ++k)
+        if (32 * q + 8 * k < units) apply(chunk, q, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+      __syncthreads();  // the stage is free before it is filled again
+      const int s_now = q % ks;
+      if (nq < 0 || nq % ks != s_now) {
+        // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
+        // shared memory.
+  #pragma unroll
+        for (int mt = 0; mt < kGqMT; ++mt)
+  #pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
+            red[warp * kGqRed + row * kGqRedPitch + col] =
+                (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
+          }
+        __syncthreads();
+        const int o = static_cast<int>(threadIdx.x);
+        const int at = (o / kGqCols) * kGqRedPitch + o % kGqCols;
+        float b[8];
+  #pragma unroll
+        for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
+        const float y = butterfly_of_eight(b);
+  #pragma unroll
+        for (int s = 0; s < kGqMaxSlices; ++s)
+          if (s == s_now) ys[s] = y;
+        __syncthreads();
+        zero();
+      }
+      q = nq;
+      stage ^= 1;
     }
-    q = nq;
-    stage ^= 1;
+    const int o = static_cast<int>(threadIdx.x);
+    const int row = r0 + o / kGqCols, col = o % kGqCols;
+    if (row < rows && col < pt.count)
+      Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
+    __syncthreads();  // every warp is done with this part's shared memory before the next one's copies
   }
-  const int o = static_cast<int>(threadIdx.x);
-  const int row = r0 + o / kGqCols, col = o % kGqCols;
-  if (row < rows && col < pt.count)
-    Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
 }
 
 #endif  // DS4_IMMA
@@ -264,7 +268,10 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   if (max_parts <= 0 || W.ne[1] == 0) return true;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
-  const dim3 grid(static_cast<unsigned>((rows + kGqRows - 1) / kGqRows), static_cast<unsigned>(max_parts));
+  // Blocks for about eight of each SM's two resident blocks, each working its share of the parts.
+  const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
+  const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
+  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
   launch(imma_q4k_grouped_kernel, grid, kGqThreads, kGqSmem, stream, W.data, W.row_bytes() * rows, W.row_bytes(),
          static_cast<int>(rows), static_cast<int>(units), ks, static_cast<const ExpertPartDev*>(parts), n_parts,
          sorted_pairs, x_row, planes, ldp, Y, ldy);

@@ -183,7 +183,8 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       const uint2 b2 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 64 + 8 * t));
       float s256[2];
 #pragma unroll
-      for (int j = 0; j < 2; ++j) s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
+      for (int j = 0; j < 2; ++j)
+        s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
 #pragma unroll
       for (int mt = 0; mt < kImmaMT; ++mt) {
         const int zero4[4] = {0, 0, 0, 0};

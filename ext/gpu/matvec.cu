@@ -770,7 +770,8 @@ void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stri
   // Planes: member i's column c at P + (i * ncols + c) * ldp, passed where X goes (ldx, batch.x in bytes).
   const MatvecBatch batch{w_stride_bytes, planes ? static_cast<int64_t>(ncols) * ldp : x_stride, y_stride};
   auto x_at = [&](int c) {
-    return planes ? reinterpret_cast<const float*>(P + static_cast<int64_t>(c) * ldp) : X + static_cast<int64_t>(c) * ldx;
+    return planes ? reinterpret_cast<const float*>(P + static_cast<int64_t>(c) * ldp)
+                  : X + static_cast<int64_t>(c) * ldx;
   };
   const int64_t lx = planes ? ldp : ldx;
   // Columns [c0, c0 + nc) of every member, nb members `bt` apart: one launch (the staged kernel: a
