@@ -12,9 +12,9 @@ namespace ds4::gpu {
 
 // The fewest columns a Q8_0 product (integer products on) must have to take the tensor-core kernel;
 // 0: never. DS4_GPU_MV_IMMA=N sets it at start (default kImmaDefaultCols), set_matvec_imma at run
-// time. And the fewest pairs per expert (n_pairs / experts of the stack) a grouped Q4_K product
-// must have: its parts are then mostly full 8-column tiles (DS4_GPU_MV_IMMA_GROUPED=N, default
-// kImmaDefaultPairs; set_matvec_imma_grouped). The bits never depend on either (imma_q8.cu,
+// time. And the fewest pairs per expert (n_pairs / experts of the stack, counting at least 128
+// experts: imma_q4k.cu) a grouped Q4_K product must have: its parts are then mostly full
+// 8-column tiles (DS4_GPU_MV_IMMA_GROUPED=N, default kImmaDefaultPairs; set_matvec_imma_grouped). The bits never depend on either (imma_q8.cu,
 // imma_q4k.cu); both are part of the graph key so an A/B under graphs measures what it names.
 // Where the build or the device has no integer mma.sync (HIP, before sm_90 here) the kernels never
 // run and the getters still report the settings.
@@ -28,9 +28,10 @@ int matvec_imma_grouped();
 // Counts a launch of either kernel (testing::imma_launches).
 void imma_count_launch();
 
-// Raises the kernel's shared-memory limit (once; matvec_prepare calls it before any graph capture).
-// False where the kernel cannot run.
+// Raise the kernels' shared-memory limits (once; matvec_prepare calls imma_prepare, which calls
+// imma_q4k_prepare, before any graph capture). False where a kernel cannot run.
 bool imma_prepare();
+bool imma_q4k_prepare();
 
 // Y = W X on the tensor cores for n_batch members (member i: weights W.data + i * w_member bytes,
 // column c's planes at P + (i * ncols + c) * ldp, Y + i * y_member + c * ldy). Returns false, doing

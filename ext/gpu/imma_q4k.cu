@@ -22,11 +22,12 @@
 // B_w through shared memory in the butterfly's order.
 //
 // Layout of the work: block (x, y) = rows [32x, 32x + 32) of parts y, y + gridDim.y, ..., 8 warps of
-// 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a row) the block
-// copies its rows' 576 bytes (cp.async, two stages); a warp's units of the chunk are unit
-// positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it must
-// move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y. The
-// block decodes a chunk's (dl, ml) pairs once into shared memory (q4k_unit_scales) for all warps.
+// 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a
+// row) the block copies its rows' 576 bytes and the part's columns' planes of the chunk's 32 X units
+// (cp.async, two stages: the next chunk is in flight meanwhile) into shared memory, then decodes
+// the chunk's (dl, ml) pairs once (q4k_unit_scales) for all warps. A warp's units of the chunk are
+// unit positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it
+// must move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
 
@@ -52,13 +53,17 @@ constexpr int kGqStage = kGqRows * kGqPitch;  // one copy stage
 constexpr int kGqOut = kGqRows * kGqCols;
 constexpr int kGqRedPitch = kGqCols + 1;
 constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
-constexpr int kGqSmem = 2 * kGqStage + kGqWarps * kGqRed * 4;          // under the 48 KB default
+constexpr int kGqRedBytes = kGqWarps * kGqRed * 4;
+constexpr int kGqPlanePitch = 32 * kPlaneBytes + 16;   // a column's 32 records (padded: banks)
+constexpr int kGqPlaneStage = kGqCols * kGqPlanePitch;  // the part's planes of one chunk
+// Two weight stages, the sums (and scales), two planes stages: ~102 KB, two blocks an SM.
+constexpr int kGqSmem = 2 * kGqStage + kGqRedBytes + 2 * kGqPlaneStage;
 constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
 static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
+constexpr int64_t kImmaGroupedMinExperts = 128;  // imma_q4k_takes counts at least this many experts
 static_assert(kGqOut == kGqThreads, "a thread stores one output");
 static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
-static_assert(kGqSmem <= 48 * 1024, "no opt-in for more shared memory");
 
 #if defined(DS4_IMMA)
 
@@ -69,7 +74,9 @@ __global__ void __launch_bounds__(kGqThreads)
                             const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
                             float* __restrict__ Y, int64_t ldy) {
   extern __shared__ __align__(16) uint8_t smem[];
+  __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
   float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  uint8_t* planes_s = smem + 2 * kGqStage + kGqRedBytes;
   // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
   float4* scales = reinterpret_cast<float4*>(red);
   // The parts come from the planner just before: wait for it first.
@@ -83,14 +90,12 @@ __global__ void __launch_bounds__(kGqThreads)
     const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
     const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
     const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
-    auto x_of = [&](int j) {  // X row of the part's column j (past the part: its last column, never stored)
+    if (threadIdx.x < kGqCols) {
+      const int j = static_cast<int>(threadIdx.x);
       const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
-      return x_row != nullptr ? x_row[pair] : pair;
-    };
-    // Records of this thread's B column (g) and C columns (2t, 2t + 1), at X unit 0.
-    const uint8_t* pb = planes + static_cast<int64_t>(x_of(g)) * ldp;
-    const uint8_t* pc[2] = {planes + static_cast<int64_t>(x_of(2 * t)) * ldp,
-                            planes + static_cast<int64_t>(x_of(2 * t + 1)) * ldp};
+      xrow[j] = x_row != nullptr ? x_row[pair] : pair;
+    }
+    __syncthreads();
 
     const int n_chunks = (units + 31) / 32;
     auto next_of = [&](int q) {  // the chunk after q: slice by slice, each slice's chunks in order
@@ -98,14 +103,23 @@ __global__ void __launch_bounds__(kGqThreads)
       const int s1 = q % ks + 1;
       return s1 < ks && s1 < n_chunks ? s1 : -1;
     };
+    // Chunk q's weights of the block's rows and the planes of its X units [32q, 32q + 32) of the
+    // part's columns, into stage `stage`.
     auto issue = [&](int q, int stage) {
-      const int left = units - 32 * q;
-      const int nvec = (left < 32 ? left : 32) * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
+      const int left = units - 32 * q < 32 ? units - 32 * q : 32;
+      const int nvec = left * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
       uint8_t* dst = smem + stage * kGqStage;
       for (int i = static_cast<int>(threadIdx.x); i < kGqRows * nvec; i += kGqThreads) {
         const int r = i / nvec, v = i % nvec;
         const int row = r0 + r < rows ? r0 + r : rows - 1;
         ds4_cp_async16(dst + r * kGqPitch + 16 * v, We + row * row_bytes + static_cast<int64_t>(q) * kGqChunk + 16 * v);
+      }
+      const int pvec = left * (kPlaneBytes / 16);
+      uint8_t* pdst = planes_s + stage * kGqPlaneStage;
+      for (int i = static_cast<int>(threadIdx.x); i < kGqCols * pvec; i += kGqThreads) {
+        const int j = i / pvec, v = i % pvec;
+        const uint8_t* src = planes + static_cast<int64_t>(xrow[j]) * ldp + static_cast<int64_t>(q) * 32 * kPlaneBytes;
+        ds4_cp_async16(pdst + j * kGqPlanePitch + 16 * v, src + 16 * v);
       }
       ds4_cp_async_commit();
     };
@@ -122,24 +136,24 @@ __global__ void __launch_bounds__(kGqThreads)
     };
 
     // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
-    auto apply = [&](const uint8_t* chunk, int q, int k, float (&a)[kGqMT][4]) {
-      // X units of the low and high nibbles: 8 (4q + k) + 2 cpos and the next one.
-      const int64_t xa = 8 * (4 * static_cast<int64_t>(q) + k) + 2 * cpos;
+    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kGqMT][4]) {
+      // The chunk's X units of the low and high nibbles: 8k + 2 cpos and the next one.
+      const int xa = 8 * k + 2 * cpos;
       uint32_t blo[3], bhi[3];
-      const uint8_t* rb = pb + kPlaneBytes * xa + 16 * h + 4 * t;
+      const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 16 * h + 4 * t;
   #pragma unroll
       for (int pl = 0; pl < 3; ++pl) {
-        blo[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + 32 * pl));
-        bhi[pl] = ds4_ldg(reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl));
+        blo[pl] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl);
+        bhi[pl] = *reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl);
       }
       float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
   #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint8_t* rc = pc[j] + kPlaneBytes * xa + kPlaneScaleOff;
-        slo[j] = ds4_ldg(reinterpret_cast<const float*>(rc)) * 0.00390625f;  // exact
-        mlo[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + 4 + 4 * h)));
-        shi[j] = ds4_ldg(reinterpret_cast<const float*>(rc + kPlaneBytes)) * 0.00390625f;
-        mhi[j] = static_cast<float>(ds4_ldg(reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h)));
+        const uint8_t* rc = pl_s + (2 * t + j) * kGqPlanePitch + kPlaneBytes * xa + kPlaneScaleOff;
+        slo[j] = *reinterpret_cast<const float*>(rc) * 0.00390625f;  // exact
+        mlo[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + 4 + 4 * h));
+        shi[j] = *reinterpret_cast<const float*>(rc + kPlaneBytes) * 0.00390625f;
+        mhi[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h));
       }
   #pragma unroll
       for (int mt = 0; mt < kGqMT; ++mt) {
@@ -191,6 +205,7 @@ __global__ void __launch_bounds__(kGqThreads)
       ds4_cp_async_wait<1>();
       __syncthreads();
       const uint8_t* chunk = smem + stage * kGqStage;
+      const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
       // the row's end gives values no unit reads).
       for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
@@ -203,7 +218,7 @@ __global__ void __launch_bounds__(kGqThreads)
       __syncthreads();
   #pragma unroll
       for (int k = 0; k < 4; ++k)
-        if (32 * q + 8 * k < units) apply(chunk, q, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+        if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
       __syncthreads();  // the stage is free before it is filled again
       const int s_now = q % ks;
       if (nq < 0 || nq % ks != s_now) {
@@ -248,7 +263,10 @@ __global__ void __launch_bounds__(kGqThreads)
 bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #if defined(DS4_IMMA)
   const int min_pairs = matvec_imma_grouped();
-  if (min_pairs == 0 || n_pairs < static_cast<int64_t>(min_pairs) * W.ne[2] || W.type != DType::Q4_K ||
+  // N pairs per expert, counting at least kImmaGroupedMinExperts experts: a step of few pairs over few
+  // experts stays on the SIMT kernels.
+  const int64_t experts = std::max<int64_t>(W.ne[2], kImmaGroupedMinExperts);
+  if (min_pairs == 0 || n_pairs < static_cast<int64_t>(min_pairs) * experts || W.type != DType::Q4_K ||
       !matvec_int8() || !cuda_sm90())
     return false;
   const int64_t units = W.ne[0] / 32, expert_bytes = W.row_bytes() * W.ne[1];
@@ -260,12 +278,28 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #endif
 }
 
+bool imma_q4k_prepare() {
+#if defined(DS4_IMMA)
+  static const bool ready = [] {
+    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess;
+    (void)cudaGetLastError();
+    return ok;
+  }();
+  return ready;
+#else
+  return false;
+#endif
+}
+
 bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, const int32_t* n_parts, int max_parts,
                       const int32_t* sorted_pairs, const int32_t* x_row, const uint8_t* planes, int64_t ldp,
                       float* Y, int64_t ldy, cudaStream_t stream) {
 #if defined(DS4_IMMA)
   if (planes == nullptr || !imma_q4k_takes(W, max_parts)) return false;
   if (max_parts <= 0 || W.ne[1] == 0) return true;
+  if (reinterpret_cast<uintptr_t>(planes) % 16 != 0 || ldp % 16 != 0) return false;
+  if (!imma_q4k_prepare()) return false;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   // Blocks for about eight of each SM's two resident blocks, each working its share of the parts.

@@ -307,6 +307,7 @@ bool imma_prepare() {
     (void)cudaGetLastError();
     return ok;
   }();
+  (void)imma_q4k_prepare();
   return ready;
 #else
   return false;

@@ -138,7 +138,7 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
     expert's dense product on its column alone."""
     rng = np.random.default_rng()
     raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
-    n_lanes = 40
+    n_lanes = 48  # 144 pairs: one a expert counts at least 128 experts
     x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
     x[1] *= 1e-30
     x[2, 100] = np.inf
@@ -163,7 +163,7 @@ def test_gate_up_pair_declines_to_the_tensor_cores(imma) -> None:
     """Where the grouped tensor-core kernel takes the stack, matvec_grouped_pair declines (the engine
     then runs gate and up here and the SwiGLU kernel), and the products keep their bits."""
     rng = np.random.default_rng()
-    ne0, ne1, n_expert, n_lanes = 2048, 256, 4, 12
+    ne0, ne1, n_expert, n_lanes = 2048, 256, 4, 64
     raw_g, raw_u = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng), tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
     x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
     pe = rng.integers(0, n_expert, n_lanes * 2).astype(np.int32)
@@ -171,7 +171,7 @@ def test_gate_up_pair_declines_to_the_tensor_cores(imma) -> None:
     T.gpu_set_matvec_imma_grouped(0)
     g0, u0, fused = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8, 4)
     assert fused
-    T.gpu_set_matvec_imma_grouped(1)  # 24 pairs >= 1 x 4 experts
+    T.gpu_set_matvec_imma_grouped(1)  # 128 pairs >= 1 x 128 (4 experts count as 128)
     g1, u1, fused = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8, 4)
     assert not fused
     before = T.gpu_imma_launches()
