@@ -62,6 +62,26 @@ __device__ __forceinline__ float kslice_tree(const float (&y)[4], int ks) {
   return y[0];
 }
 
+// cp.async of `pieces` runs of `vecs` 16-byte vectors, run r from src(r) to dst + r * pitch, by the
+// block's THREADS threads; runs of the usual length VECS take a constant divisor (a run of a
+// chunk's weights or planes: the index split is most of a copy's instructions otherwise).
+template <int THREADS, int VECS, class Src>
+__device__ __forceinline__ void copy_runs(uint8_t* dst, int pitch, int pieces, int vecs, Src src) {
+  if (vecs == VECS) {
+#pragma unroll 1
+    for (int i = static_cast<int>(threadIdx.x); i < pieces * VECS; i += THREADS) {
+      const int r = i / VECS, v = i % VECS;
+      ds4_cp_async16(dst + r * pitch + 16 * v, src(r) + 16 * v);
+    }
+  } else {
+#pragma unroll 1
+    for (int i = static_cast<int>(threadIdx.x); i < pieces * vecs; i += THREADS) {
+      const int r = i / vecs, v = i % vecs;
+      ds4_cp_async16(dst + r * pitch + 16 * v, src(r) + 16 * v);
+    }
+  }
+}
+
 #endif  // DS4_IMMA
 
 }  // namespace ds4::gpu

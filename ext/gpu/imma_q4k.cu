@@ -106,21 +106,15 @@ __global__ void __launch_bounds__(kGqThreads)
     // Chunk q's weights of the block's rows and the planes of its X units [32q, 32q + 32) of the
     // part's columns, into stage `stage`.
     auto issue = [&](int q, int stage) {
-      const int left = units - 32 * q < 32 ? units - 32 * q : 32;
-      const int nvec = left * 18 / 16;  // units % 8 == 0: whole 144-byte blocks
-      uint8_t* dst = smem + stage * kGqStage;
-      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * nvec; i += kGqThreads) {
-        const int r = i / nvec, v = i % nvec;
-        const int row = r0 + r < rows ? r0 + r : rows - 1;
-        ds4_cp_async16(dst + r * kGqPitch + 16 * v, We + row * row_bytes + static_cast<int64_t>(q) * kGqChunk + 16 * v);
-      }
-      const int pvec = left * (kPlaneBytes / 16);
-      uint8_t* pdst = planes_s + stage * kGqPlaneStage;
-      for (int i = static_cast<int>(threadIdx.x); i < kGqCols * pvec; i += kGqThreads) {
-        const int j = i / pvec, v = i % pvec;
-        const uint8_t* src = planes + static_cast<int64_t>(xrow[j]) * ldp + static_cast<int64_t>(q) * 32 * kPlaneBytes;
-        ds4_cp_async16(pdst + j * kGqPlanePitch + 16 * v, src + 16 * v);
-      }
+      const int left = units - 32 * q < 32 ? units - 32 * q : 32;  // units % 8 == 0: whole 144-byte blocks
+      const uint8_t* wq = We + static_cast<int64_t>(q) * kGqChunk;
+      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, [=](int r) {
+        return wq + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes;
+      });
+      const int64_t pq = static_cast<int64_t>(q) * 32 * kPlaneBytes;
+      copy_runs<kGqThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
+                                                   left * (kPlaneBytes / 16),
+                                                   [=](int j) { return planes + xrow[j] * ldp + pq; });
       ds4_cp_async_commit();
     };
 

@@ -132,12 +132,9 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   auto issue = [&](int64_t q, int stage) {
     const int64_t u0 = 32 * q;
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
-    uint8_t* dst = smem + stage * kImmaStage;
-    for (int i = static_cast<int>(threadIdx.x); i < kImmaRows * nvec; i += kImmaThreads) {
-      const int r = i / nvec, v = i % nvec;
-      const int64_t row = min(r0 + r, rows - 1);
-      ds4_cp_async16(dst + r * kImmaPitch + 16 * v, W + row * row_bytes + u0 * 34 + 16 * v);
-    }
+    const uint8_t* wq = W + u0 * 34;
+    copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * kImmaStage, kImmaPitch, kImmaRows, nvec,
+                                             [=](int r) { return wq + min(r0 + r, rows - 1) * row_bytes; });
     ds4_cp_async_commit();
   };
 
