@@ -33,7 +33,8 @@
 // a column's bits depend on nothing else in the call (tests/gpu/test_gpu_imma.py checks both).
 //
 // Layout of the work: block (x, y, z) = rows [32x, 32x + 32) x columns [32y, 32y + 32) of member
-// z; 16 warps, each all 32 x 32 outputs (2 m-tiles x 4 n-tiles) for its two virtual lanes. Per
+// z (calls of at most 8 columns: rows [64x, 64x + 64) x 8 columns, ImmaShape); 16 warps, each all
+// 32 x 32 outputs (2 m-tiles x 4 n-tiles; or 4 x 1) for its two virtual lanes. Per
 // chunk of 32 units the block copies its 32 rows' 1088 bytes (cp.async, two stages) into shared
 // memory; each warp reads the A fragments of its units from there and the B fragments (plane
 // words) and scales straight from global memory (L1/L2: every row block reads them).
@@ -64,18 +65,23 @@ std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel 
 
 constexpr int kImmaWarps = 16;
 constexpr int kImmaThreads = kImmaWarps * DS4_WARP;
-constexpr int kImmaMT = 2, kImmaNT = 4;  // m-tiles (16 rows), n-tiles (8 columns) a warp
-constexpr int kImmaRows = 16 * kImmaMT, kImmaCols = 8 * kImmaNT;
-constexpr int kImmaOut = kImmaRows * kImmaCols;
-constexpr int kImmaChunk = 32 * 34;                 // a row's bytes of one chunk of 32 units
-constexpr int kImmaPitch = kImmaChunk + 16;         // shared row pitch (spreads the banks)
-constexpr int kImmaStage = kImmaRows * kImmaPitch;  // one copy stage
-constexpr int kImmaRedPitch = kImmaCols + 1;      // the sums' row pitch (floats; spreads the banks)
-constexpr int kImmaRed = kImmaRows * kImmaRedPitch;  // one warp's sums
-constexpr int kImmaSmem = 2 * kImmaStage + kImmaWarps * kImmaRed * 4;  // two stages, then the sums
+constexpr int kImmaChunk = 32 * 34;          // a row's bytes of one chunk of 32 units
+constexpr int kImmaPitch = kImmaChunk + 16;  // shared row pitch (spreads the banks)
 constexpr int kImmaMaxSlices = 4;
-static_assert(kImmaOut % kImmaThreads == 0, "every thread adds the same number of outputs");
 static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
+
+// A block's tile: MT m-tiles (16 rows) x NT n-tiles (8 columns), every warp all of it. Wide calls
+// take 32 x 32 (2, 4); calls of at most 8 columns 64 x 8 (4, 1), so a decode step's few columns do
+// not pay for 32.
+template <int MT, int NT>
+struct ImmaShape {
+  static constexpr int kRows = 16 * MT, kCols = 8 * NT, kOut = kRows * kCols;
+  static constexpr int kStage = kRows * kImmaPitch;  // one copy stage
+  static constexpr int kRedPitch = kCols + 1;         // the sums' row pitch (floats; spreads the banks)
+  static constexpr int kRed = kRows * kRedPitch;      // one warp's sums
+  static constexpr int kSmem = 2 * kStage + kImmaWarps * kRed * 4;  // two stages, then the sums
+  static_assert(kOut % kImmaThreads == 0, "every thread adds the same number of outputs");
+};
 
 #if defined(DS4_IMMA)
 
@@ -95,26 +101,28 @@ __device__ __forceinline__ void unit_q(const uint8_t* unit, int t, uint32_t* lo,
   *d_256 = half_bits_to_float(*reinterpret_cast<const unsigned short*>(unit)) * 0.00390625f;
 }
 
+template <int MT, int NT>
 __global__ void __launch_bounds__(kImmaThreads, 1)
     imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
                    int64_t w_member, int64_t p_member, int64_t y_member) {
+  using S = ImmaShape<MT, NT>;
   extern __shared__ __align__(16) uint8_t smem[];
-  float* red = reinterpret_cast<float*>(smem + 2 * kImmaStage);
+  float* red = reinterpret_cast<float*>(smem + 2 * S::kStage);
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int g = lane >> 2, t = lane & 3;
   W += static_cast<int64_t>(blockIdx.z) * w_member;
   P += static_cast<int64_t>(blockIdx.z) * p_member;
   Y += static_cast<int64_t>(blockIdx.z) * y_member;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * kImmaRows;
-  const int c0 = static_cast<int>(blockIdx.y) * kImmaCols;
+  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * S::kRows;
+  const int c0 = static_cast<int>(blockIdx.y) * S::kCols;
 
   // This thread's plane records (byte offsets from P, below 2^31: the launcher checks): B column
   // c0 + 8 nt + g, C columns c0 + 8 nt + 2t (+1); columns past the call read the last one (never
   // stored).
-  uint32_t pb[kImmaNT], pc[kImmaNT][2];
+  uint32_t pb[NT], pc[NT][2];
 #pragma unroll
-  for (int nt = 0; nt < kImmaNT; ++nt) {
+  for (int nt = 0; nt < NT; ++nt) {
     pb[nt] = static_cast<uint32_t>(min(c0 + 8 * nt + g, ncols - 1) * ldp);
 #pragma unroll
     for (int j = 0; j < 2; ++j) pc[nt][j] = static_cast<uint32_t>(min(c0 + 8 * nt + 2 * t + j, ncols - 1) * ldp);
@@ -133,36 +141,36 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     const int64_t u0 = 32 * q;
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
     const uint8_t* wq = W + u0 * 34;
-    copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * kImmaStage, kImmaPitch, kImmaRows, nvec,
+    copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec,
                                              [=](int r) { return wq + min(r0 + r, rows - 1) * row_bytes; });
     ds4_cp_async_commit();
   };
 
-  float acc[2][kImmaMT][kImmaNT][4];
+  float acc[2][MT][NT][4];
   // Each k-slice's sum of this thread's outputs (slices without a chunk keep +0, as a SIMT warp
   // with no unit does).
-  float ys[kImmaMaxSlices][kImmaOut / kImmaThreads];
+  float ys[kImmaMaxSlices][S::kOut / kImmaThreads];
 #pragma unroll
   for (int s = 0; s < kImmaMaxSlices; ++s)
 #pragma unroll
-    for (int j = 0; j < kImmaOut / kImmaThreads; ++j) ys[s][j] = 0.0f;
+    for (int j = 0; j < S::kOut / kImmaThreads; ++j) ys[s][j] = 0.0f;
   auto zero = [&] {
 #pragma unroll
     for (int i = 0; i < 2; ++i)
 #pragma unroll
-      for (int mt = 0; mt < kImmaMT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < kImmaNT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[i][mt][nt][e] = 0.0f;
   };
 
   // Unit u (lane v of its chunk) into the sums of virtual lane i of this warp.
-  auto apply = [&](const uint8_t* chunk, int v, int64_t u, float (&a)[kImmaMT][kImmaNT][4]) {
-    uint32_t A[kImmaMT][4];
-    float d[kImmaMT][2];
+  auto apply = [&](const uint8_t* chunk, int v, int64_t u, float (&a)[MT][NT][4]) {
+    uint32_t A[MT][4];
+    float d[MT][2];
 #pragma unroll
-    for (int mt = 0; mt < kImmaMT; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint8_t* unit = chunk + (16 * mt + g + 8 * h) * kImmaPitch + 34 * v;
@@ -173,7 +181,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       }
     }
 #pragma unroll
-    for (int nt = 0; nt < kImmaNT; ++nt) {
+    for (int nt = 0; nt < NT; ++nt) {
       const uint8_t* rec = P + pb[nt] + kPlaneBytes * u;
       const uint2 b0 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 8 * t));
       const uint2 b1 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 32 + 8 * t));
@@ -183,7 +191,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       for (int j = 0; j < 2; ++j)
         s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
 #pragma unroll
-      for (int mt = 0; mt < kImmaMT; ++mt) {
+      for (int mt = 0; mt < MT; ++mt) {
         const int zero4[4] = {0, 0, 0, 0};
         int s1[4], tt[4], s2[4];
         mma_s8_k32(s1, A[mt], b1.x, b1.y, zero4);
@@ -214,7 +222,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     }
     ds4_cp_async_wait<1>();
     __syncthreads();
-    const uint8_t* chunk = smem + stage * kImmaStage;
+    const uint8_t* chunk = smem + stage * S::kStage;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int v = warp + 16 * k;
@@ -226,22 +234,22 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     if (nq < 0 || nq % ks != s_now) {
       // The slice's butterfly: A_w in registers, the rest through shared memory.
 #pragma unroll
-      for (int mt = 0; mt < kImmaMT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int nt = 0; nt < kImmaNT; ++nt)
+        for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 16 * mt + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
-            red[warp * kImmaRed + row * kImmaRedPitch + col] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
+            red[warp * S::kRed + row * S::kRedPitch + col] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
           }
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
+      for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
         const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-        const int at = (o / kImmaCols) * kImmaRedPitch + o % kImmaCols;
+        const int at = (o / S::kCols) * S::kRedPitch + o % S::kCols;
         float b[8];
 #pragma unroll
-        for (int w = 0; w < 8; ++w) b[w] = red[w * kImmaRed + at] + red[(w + 8) * kImmaRed + at];
+        for (int w = 0; w < 8; ++w) b[w] = red[w * S::kRed + at] + red[(w + 8) * S::kRed + at];
         const float y = butterfly_of_eight(b);
 #pragma unroll
         for (int s = 0; s < kImmaMaxSlices; ++s)
@@ -254,10 +262,10 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     stage ^= 1;
   }
 #pragma unroll
-  for (int j = 0; j < kImmaOut / kImmaThreads; ++j) {
+  for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
     const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-    const int64_t row = r0 + o / kImmaCols;
-    const int col = c0 + o % kImmaCols;
+    const int64_t row = r0 + o / S::kCols;
+    const int col = c0 + o % S::kCols;
     const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
     const float y = kslice_tree(y4, ks);
     if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
@@ -299,10 +307,12 @@ void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxe
 bool imma_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool ok = cudaFuncSetAttribute(imma_q8_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kImmaSmem) ==
-                    cudaSuccess;
+    const bool wide = cudaFuncSetAttribute(imma_q8_kernel<2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           ImmaShape<2, 4>::kSmem) == cudaSuccess;
+    const bool narrow = cudaFuncSetAttribute(imma_q8_kernel<4, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             ImmaShape<4, 1>::kSmem) == cudaSuccess;
     (void)cudaGetLastError();
-    return ok;
+    return wide && narrow;
   }();
   (void)imma_q4k_prepare();
   return ready;
@@ -336,10 +346,19 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
-  const dim3 grid(static_cast<unsigned>((rows + kImmaRows - 1) / kImmaRows),
-                  static_cast<unsigned>((ncols + kImmaCols - 1) / kImmaCols), static_cast<unsigned>(n_batch));
-  launch(imma_q8_kernel, grid, kImmaThreads, kImmaSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols,
-         Y, ldy, w_member, static_cast<int64_t>(ncols) * ldp, y_member);
+  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
+  auto go = [&](auto kernel, auto shape) {
+    using S = decltype(shape);
+    const dim3 grid(static_cast<unsigned>((rows + S::kRows - 1) / S::kRows),
+                    static_cast<unsigned>((ncols + S::kCols - 1) / S::kCols), static_cast<unsigned>(n_batch));
+    launch(kernel, grid, kImmaThreads, S::kSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols, Y, ldy,
+           w_member, static_cast<int64_t>(ncols) * ldp, y_member);
+  };
+  if (ncols <= 8) {
+    go(imma_q8_kernel<4, 1>, ImmaShape<4, 1>{});
+  } else {
+    go(imma_q8_kernel<2, 4>, ImmaShape<2, 4>{});
+  }
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
   imma_count_launch();
   return true;

@@ -74,7 +74,7 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     x[5, : ne0 // 3] = 0.0
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
-    for width in (77, 32, 33, 1):
+    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
         got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
         assert launches == 1, width
         assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), width
