@@ -62,6 +62,28 @@ __device__ __forceinline__ float kslice_tree(const float (&y)[4], int ks) {
   return y[0];
 }
 
+// The chunks of a row in the order the kernels work them: k-slice 0's (0, KS, 2 KS, ...), then slice
+// 1's, ...; the chunk after q, or -1 after the last.
+__device__ __forceinline__ int64_t chunk_after(int64_t q, int ks, int64_t n_chunks) {
+  if (q + ks < n_chunks) return q + ks;
+  const int64_t s1 = q % ks + 1;
+  return s1 < ks && s1 < n_chunks ? s1 : -1;
+}
+
+// One step of the two-stage copy stream: chunk nq's copies into the other stage (or an empty group at
+// the end, which keeps the count right), then wait until the current stage's have landed and every
+// thread sees them.
+template <class Issue>
+__device__ __forceinline__ void next_stage(int64_t nq, int stage, Issue issue) {
+  if (nq >= 0) {
+    issue(nq, stage ^ 1);
+  } else {
+    ds4_cp_async_commit();
+  }
+  ds4_cp_async_wait<1>();
+  __syncthreads();
+}
+
 // cp.async of `pieces` runs of `vecs` 16-byte vectors, run r from src(r) to dst + r * pitch, by the
 // block's THREADS threads; runs of the usual length VECS take a constant divisor (a run of a
 // chunk's weights or planes: the index split is most of a copy's instructions otherwise).

@@ -98,11 +98,6 @@ __global__ void __launch_bounds__(kGqThreads)
     __syncthreads();
 
     const int n_chunks = (units + 31) / 32;
-    auto next_of = [&](int q) {  // the chunk after q: slice by slice, each slice's chunks in order
-      if (q + ks < n_chunks) return q + ks;
-      const int s1 = q % ks + 1;
-      return s1 < ks && s1 < n_chunks ? s1 : -1;
-    };
     // Chunk q's weights of the block's rows and the planes of its X units [32q, 32q + 32) of the
     // part's columns, into stage `stage`.
     auto issue = [&](int q, int stage) {
@@ -190,14 +185,8 @@ __global__ void __launch_bounds__(kGqThreads)
     if (n_chunks > 0) issue(0, 0);
     zero();
     for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
-      const int nq = next_of(q);
-      if (nq >= 0) {
-        issue(nq, stage ^ 1);
-      } else {
-        ds4_cp_async_commit();  // an empty group keeps the count right
-      }
-      ds4_cp_async_wait<1>();
-      __syncthreads();
+      const int nq = static_cast<int>(chunk_after(q, ks, n_chunks));
+      next_stage(nq, stage, issue);
       const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past

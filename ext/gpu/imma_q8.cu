@@ -129,13 +129,6 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   }
 
   const int64_t n_chunks = (units + 31) / 32;
-  // The chunks in the order they are worked: slice 0's (q = 0, KS, 2 KS, ...), then slice 1's, ...
-  // next_of(q): the chunk after q; -1 at the end.
-  auto next_of = [&](int64_t q) -> int64_t {
-    if (q + ks < n_chunks) return q + ks;
-    const int64_t s1 = q % ks + 1;
-    return s1 < ks && s1 < n_chunks ? s1 : -1;
-  };
   // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
   auto issue = [&](int64_t q, int stage) {
     const int64_t u0 = 32 * q;
@@ -214,14 +207,8 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   zero();
   int stage = 0;
   for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
-    const int64_t nq = next_of(q);
-    if (nq >= 0) {
-      issue(nq, stage ^ 1);
-    } else {
-      ds4_cp_async_commit();  // an empty group keeps the count right
-    }
-    ds4_cp_async_wait<1>();
-    __syncthreads();
+    const int64_t nq = chunk_after(q, ks, n_chunks);
+    next_stage(nq, stage, issue);
     const uint8_t* chunk = smem + stage * S::kStage;
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
