@@ -250,7 +250,7 @@ def _t_gpu_set_matvec_int8(on):
 
 def _t_gpu_set_matvec_imma(int min_cols):
     """The fewest columns from which a Q8_0 product (integer products on) takes the integer tensor-core
-    kernel (ext/gpu/imma_q8.cu; 0: never; default 32, DS4_GPU_MV_IMMA=N is the environment's way),
+    kernel (ext/gpu/imma_q8.cu; 0: never; default 16, DS4_GPU_MV_IMMA=N is the environment's way),
     process-wide. The bits never depend on it. Returns the setting now."""
     return int(gpu_set_matvec_imma(min_cols))
 

@@ -189,7 +189,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default.
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 32, "immag": 2}  # l2: the engine's default
+                   "tall2": False, "int8": True, "imma": 16, "immag": 2}  # l2: the engine's default
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
