@@ -250,15 +250,16 @@ def _t_gpu_set_matvec_int8(on):
 
 def _t_gpu_set_matvec_imma(int min_cols):
     """The fewest columns from which a Q8_0 product (integer products on) takes the integer tensor-core
-    kernel (ext/gpu/imma_q8.cu; 0: never; default 16, DS4_GPU_MV_IMMA=N is the environment's way),
+    kernel (ext/gpu/imma_q8.cu; 0: never; -1: back to DS4_GPU_MV_IMMA=N or the default, 16),
     process-wide. The bits never depend on it. Returns the setting now."""
     return int(gpu_set_matvec_imma(min_cols))
 
 
 def _t_gpu_set_matvec_imma_grouped(int min_pairs):
     """The fewest pairs per expert (pairs / experts of the stack) from which a grouped Q4_K product takes
-    the integer tensor-core kernel (ext/gpu/imma_q4k.cu; 0: never; default 2,
-    DS4_GPU_MV_IMMA_GROUPED=N), process-wide. The bits never depend on it. Returns the setting now."""
+    the integer tensor-core kernel (ext/gpu/imma_q4k.cu; 0: never; -1: back to
+    DS4_GPU_MV_IMMA_GROUPED=N or the default, 2), process-wide. The bits never depend on it. Returns the
+    setting now."""
     return int(gpu_set_matvec_imma_grouped(min_pairs))
 
 

@@ -13,9 +13,11 @@ namespace ds4::gpu {
 // The fewest columns a Q8_0 product (integer products on) must have to take the tensor-core kernel;
 // 0: never. DS4_GPU_MV_IMMA=N sets it at start (default kImmaDefaultCols), set_matvec_imma at run
 // time. And the fewest pairs per expert (n_pairs / experts of the stack, counting at least 128
-// experts: imma_q4k.cu) a grouped Q4_K product must have: its parts are then mostly full
-// 8-column tiles (DS4_GPU_MV_IMMA_GROUPED=N, default kImmaDefaultPairs; set_matvec_imma_grouped). The bits never depend on either (imma_q8.cu,
-// imma_q4k.cu); both are part of the graph key so an A/B under graphs measures what it names.
+// experts: imma_q4k.cu) a grouped Q4_K product must have: its parts are then mostly full 8-column
+// tiles (DS4_GPU_MV_IMMA_GROUPED=N, default kImmaDefaultPairs; set_matvec_imma_grouped). A setter's
+// -1 goes back to the environment's value or the default. The bits never depend on either
+// (imma_q8.cu, imma_q4k.cu); both are part of the graph key so an A/B under graphs measures what it
+// names.
 // Where the build or the device has no integer mma.sync (HIP, before sm_90 here) the kernels never
 // run and the getters still report the settings.
 constexpr int kImmaDefaultCols = 16;  // pass 11, call 10: 16-row prefill steps 3089 -> 3306 tok/s

@@ -264,7 +264,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 }  // namespace
 
 void set_matvec_imma(int min_cols) {
-  if (min_cols < 0) throw std::invalid_argument("set_matvec_imma: min_cols must be >= 0 (0: off)");
+  if (min_cols < -1) throw std::invalid_argument("set_matvec_imma: min_cols must be >= 0 (0: off; -1: the default)");
   g_imma.store(min_cols, std::memory_order_relaxed);
 }
 
@@ -282,8 +282,8 @@ static int threshold_now(std::atomic<int>& state, const char* name, int fallback
 int matvec_imma() { return threshold_now(g_imma, "DS4_GPU_MV_IMMA", kImmaDefaultCols); }
 
 void set_matvec_imma_grouped(int min_pairs_per_expert) {
-  if (min_pairs_per_expert < 0)
-    throw std::invalid_argument("set_matvec_imma_grouped: min_pairs_per_expert must be >= 0 (0: off)");
+  if (min_pairs_per_expert < -1)
+    throw std::invalid_argument("set_matvec_imma_grouped: min_pairs_per_expert must be >= 0 (0: off; -1: the default)");
   g_imma_grouped.store(min_pairs_per_expert, std::memory_order_relaxed);
 }
 

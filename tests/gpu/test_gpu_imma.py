@@ -28,11 +28,10 @@ Q8_0, Q4_K = 8, 12
 
 @pytest.fixture
 def imma():
-    """Set the thresholds inside a test; back to the defaults after it."""
-    keep, keep_grouped = T.gpu_set_matvec_imma(32), T.gpu_set_matvec_imma_grouped(2)
+    """Set the thresholds inside a test; back to the defaults (-1) after it."""
     yield T.gpu_set_matvec_imma
-    T.gpu_set_matvec_imma(keep)
-    T.gpu_set_matvec_imma_grouped(keep_grouped)
+    T.gpu_set_matvec_imma(-1)
+    T.gpu_set_matvec_imma_grouped(-1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -50,13 +49,16 @@ def on_tensor_cores(fn):
 
 
 def test_imma_switches_read_back(imma) -> None:
+    default, default_grouped = imma(-1), T.gpu_set_matvec_imma_grouped(-1)
+    assert default >= 0 and default_grouped >= 0
     assert imma(0) == 0
     assert imma(48) == 48
     assert T.gpu_set_matvec_imma_grouped(0) == 0
     assert T.gpu_set_matvec_imma_grouped(3) == 3
+    assert imma(-1) == default and T.gpu_set_matvec_imma_grouped(-1) == default_grouped
     for setter in (imma, T.gpu_set_matvec_imma_grouped):
         with pytest.raises(ValueError):
-            setter(-1)
+            setter(-2)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall), 2 and 4 (4 chunks;
