@@ -120,9 +120,10 @@ def test_batched_members_and_multi_products_match(imma) -> None:
     shapes = [(Q8_0, 640), (1, 256), (Q8_0, 96)]
     raws = [tame_raw(t, ne0 * r, rng) for t, r in shapes]
     x = rng.standard_normal((48, ne0)).astype(np.float32)
+    products = [(t, raw, r) for (t, r), raw in zip(shapes, raws)]
     imma(0)
-    want, _ = T.gpu_matmul_multi([(t, r_, r) for (t, r), r_ in zip(shapes, raws)], ne0, x)
-    (got, _), launches = on_tensor_cores(lambda: T.gpu_matmul_multi([(t, r_, r) for (t, r), r_ in zip(shapes, raws)], ne0, x))
+    want, _ = T.gpu_matmul_multi(products, ne0, x)
+    (got, _), launches = on_tensor_cores(lambda: T.gpu_matmul_multi(products, ne0, x))
     assert launches == 2  # the two Q8_0 products
     for g, w in zip(got, want):
         assert np.array_equal(g.view(np.uint32), w.view(np.uint32))
