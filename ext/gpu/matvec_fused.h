@@ -159,9 +159,10 @@ bool set_matvec_mma(bool on);
 bool set_pdl(bool on);
 // set_matvec_int8(on); returns matvec_int8() after it.
 bool set_matvec_int8(bool on);
-// set_matvec_imma(min_cols) (imma.h: 0 off); returns matvec_imma() after it.
+// set_matvec_imma(min_cols) (imma.h: 0 off, -1 the default); returns matvec_imma() after it.
 int set_matvec_imma(int min_cols);
-// set_matvec_imma_grouped(min_pairs_per_expert) (imma.h: 0 off); returns matvec_imma_grouped() after it.
+// set_matvec_imma_grouped(min_pairs_per_expert) (imma.h: 0 off, -1 the default); returns
+// matvec_imma_grouped() after it.
 int set_matvec_imma_grouped(int min_pairs_per_expert);
 // Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
 int64_t imma_launches();

@@ -25,14 +25,15 @@ includes the plan upload, every kernel and the logits download). Method:
 - then the same for C = 1 and 8 after every slot is refilled with --long-ctx tokens (2100: the CSA
   indexer then scores 525 entries a lane and keeps 512);
 - a profile: device time per kernel (PyTorch's CUPTI profiler) over 5 decode steps at C = 1 and 8
-  (at the long context) and 2 prefill steps of --profile-rows rows (64), eager + tall + staged + chunked, into
-  JSON.profile.txt;
+  (at the long context) and 2 prefill steps of --profile-rows rows (64), eager + tall + staged +
+  chunked, into JSON.profile.txt;
 - --variants: instead of the three modes, the default mode under each of several switch settings
   set in this one process (`pdl=0/1` programmatic dependent launch, `l2=0/1` the L2 prefetch,
   `mma=0/1` the tensor cores, `fuse=0/1` the fused launches, `persist=0/1` the direct matvec's
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
   products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
-  `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never); joined by ':', variants by ','; what a variant does not name is at its default): prefill
+  `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never); joined
+  by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
   the profile runs under each variant (JSON.profile-N.txt);
