@@ -230,6 +230,10 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         # row per pair)
         ("x_planes", max(R * (max(nh * hd, hc * d, d, cfg.q_lora_rank, cfg.o_groups * cfg.o_lora_rank, F) // 32),
                          R * K * (F // 32)) * 112),
+        # the planes producer kernels write beside their output: u's, then q_lat's, the shared
+        # SwiGLU's or head_in's (GivenPlanes, ext/gpu/matvec_fused.h)
+        ("planes_u", R * (d // 32) * 112),
+        ("planes_b", R * (max(d, cfg.q_lora_rank, F) // 32) * 112),
     ]
 
 

@@ -53,6 +53,8 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma "ds4::gpu::testing::set_matvec_imma"(int min_cols) except +
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
+    cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
+    int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
 
 
 cdef TensorView _weights_view(int ggml_type, raw, int64_t ne0, int64_t ne1, int64_t ne2, object keep) except *:
@@ -268,6 +270,19 @@ def _t_gpu_imma_launches():
     return int(gpu_imma_launches())
 
 
+def _t_gpu_set_planes_fused(on):
+    """Producer-built planes (ext/gpu/matvec_fused.h planes_fused; default on, DS4_GPU_PLANES_FUSED=0
+    is the environment's way to turn them off): the engine's kernels that write a product's input also
+    write its planes, so the product launches no prep. The same bits either way. Returns whether it
+    is on now."""
+    return bool(gpu_set_planes_fused(bool(on)))
+
+
+def _t_gpu_planes_prep_launches():
+    """Launches of the planes prep kernel (ext/gpu/xplanes.cuh) so far in this process."""
+    return int(gpu_planes_prep_launches())
+
+
 def _t_gpu_set_pdl(on):
     """Launch the engine's kernels with programmatic dependent launch (ext/gpu/launch.cuh) or without,
     process-wide (the bits never change; DS4_GPU_PDL=0 is the environment's way). Returns whether it
@@ -419,6 +434,8 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_imma_launches=_t_gpu_imma_launches,
+    gpu_set_planes_fused=_t_gpu_set_planes_fused,
+    gpu_planes_prep_launches=_t_gpu_planes_prep_launches,
     gpu_matmul_batched=_t_gpu_matmul_batched,
     gpu_rms_norm=_t_gpu_rms_norm,
     gpu_embed=_t_gpu_embed,

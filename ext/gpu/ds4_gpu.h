@@ -102,9 +102,10 @@ void set_matvec_tall_stages(int stages);
 int matvec_settings_key();
 
 // Y[i] = X[i] * rsqrt(mean(X[i]^2) + eps) * w (w may be null), rows i < n_rows of n elements; the
-// sum of squares in double, as the CPU does.
+// sum of squares in double, as the CPU does. planes given (n % 32 == 0): also Y[i]'s planes for the
+// integer products (xplanes.cuh) at planes + i * ldp, the prep kernel's bytes.
 void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy, int n_rows, int64_t n, float eps,
-              Stream stream);
+              Stream stream, uint8_t* planes = nullptr, int64_t ldp = 0);
 
 // Y[i] = row tokens[i] of E (F32, F16, BF16, Q8_0, Q4_K or MXFP4), dequantized exactly.
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream);

@@ -181,6 +181,12 @@ struct GpuEngine::Impl {
   int32_t* argmax_tokens;  // the logit lanes' greedy tokens (step with argmax_out)
   uint8_t* x_planes;        // the integer Q8_0 products' planes of X (xplanes.cuh), max_rows columns
   int64_t x_planes_bytes = 0;
+  // Producer-built planes (matvec_fused.h planes_fused): the producers of u (mHC pre) and of one
+  // other X at a time (q_lat's norm, the shared SwiGLU, hc_head) write its planes here, beside the
+  // prep kernel's space; `given` names them to the products of that X while they hold its values.
+  uint8_t *planes_u, *planes_b;
+  bool fused_planes = false;  // planes_fused() with the integer products on, at this step's launch
+  GivenPlanes given[kGivenPlanesMax];
   uint16_t* kv16;
   int32_t *sel_id, *pair_row, *sorted_pairs, *n_parts, *comp_sel;
   ExpertPart* parts;
@@ -199,8 +205,8 @@ struct GpuEngine::Impl {
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
-  // the L2 prefetch; the integer tensor cores' two thresholds, imma.h).
-  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int>, cudaGraphExec_t> graph_cache;
+  // the L2 prefetch; the integer tensor cores' two thresholds, imma.h; the producer-built planes).
+  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, bool>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -234,8 +240,17 @@ struct GpuEngine::Impl {
   // overlap (the SIMT products ignore it).
   MatvecScratch scratch() const {
     return MatvecScratch{reinterpret_cast<float*>(mma_scratch.data()), static_cast<size_t>(mma_scratch.bytes()),
-                         x_planes, static_cast<size_t>(x_planes_bytes)};
+                         x_planes, static_cast<size_t>(x_planes_bytes), {given[0], given[1]}};
   }
+  // Where the producer of X (rows of k elements; given slot 0: u, 1: the others) writes its planes,
+  // null with the producer-built planes off; then give_planes names them to X's products, and
+  // drop_planes ends that before anything rewrites X.
+  uint8_t* planes_out(int slot) const { return fused_planes ? (slot == 0 ? planes_u : planes_b) : nullptr; }
+  static int64_t planes_ld(int64_t k) { return static_cast<int64_t>(matvec_planes_bytes(k, 1)); }
+  void give_planes(int slot, const float* X, int64_t k, int rows) {
+    if (fused_planes) given[slot] = GivenPlanes{X, k, k, rows, planes_out(slot), planes_ld(k)};
+  }
+  void drop_planes(int slot) { given[slot] = GivenPlanes{}; }
   int staged_min() const { return staged ? kMatvecStagedMin : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min(), scratch());
@@ -436,6 +451,10 @@ void GpuEngine::Impl::carve_scratch() {
   const int64_t widest = std::max({nh * hd, hc * d, d, static_cast<int64_t>(cfg.q_lora_rank),
                                    static_cast<int64_t>(cfg.o_groups) * cfg.o_lora_rank, F});
   x_planes_bytes = static_cast<int64_t>(std::max(matvec_planes_bytes(widest, R), matvec_planes_bytes(F, R * K)));
+  // The producer-built planes: u's, then the widest of q_lat, the shared SwiGLU's output and head_in.
+  const int64_t planes_u_bytes = static_cast<int64_t>(matvec_planes_bytes(d, R));
+  const int64_t planes_b_bytes =
+      static_cast<int64_t>(matvec_planes_bytes(std::max({d, static_cast<int64_t>(cfg.q_lora_rank), F}), R));
   struct Part {
     void** ptr;
     int64_t bytes;
@@ -482,6 +501,8 @@ void GpuEngine::Impl::carve_scratch() {
                                                                        static_cast<int>(hd))},
       {reinterpret_cast<void**>(&argmax_tokens), 4 * R},
       {reinterpret_cast<void**>(&x_planes), x_planes_bytes},
+      {reinterpret_cast<void**>(&planes_u), planes_u_bytes},
+      {reinterpret_cast<void**>(&planes_b), planes_b_bytes},
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
@@ -631,7 +652,8 @@ void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   mv(w.fn, x_hc, n, hcd, mix_buf, mix);
   hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, norm,
-         u, post_buf, comb_buf, stream);
+         u, post_buf, comb_buf, stream, planes_out(0), planes_ld(d));
+  give_planes(0, u, d, n);  // until the site's last product of u
 }
 
 void GpuEngine::Impl::attention_layer(int l) {
@@ -663,11 +685,14 @@ void GpuEngine::Impl::attention_layer(int l) {
     }
     mvm(pu, m, u, d);
   }
-  rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream);
+  drop_planes(0);
+  rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream, planes_out(1), planes_ld(ql));
+  give_planes(1, q_lat, ql, n);
   {
     MatvecProduct pq[2] = {{L.q_b, q, nh * hd}, {L.idx_q_b, idx_q, inh * ihd}};
     mvm(pq, L.ratio == 4 ? 2 : 1, q_lat, ql);
   }
+  drop_planes(1);
   // The attention stretch below reads little; the output projection after it (wo_a, wo_b) is the
   // layer's largest dense read.
   prefetch_window(kPrefetchAttn, l, {&L.wo_a, &L.wo_b});
@@ -813,8 +838,10 @@ void GpuEngine::Impl::ffn_layer(int l) {
   if (shared) {
     MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
     mvm(gu, 2, u, d);
-    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream);
+    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream, planes_out(1), planes_ld(F));
+    give_planes(1, sh_gate, F, n);
     mv(L.down_sh, sh_gate, n, F, sh_down, d);
+    drop_planes(1);
   }
   // Gate, up and SwiGLU in one launch where matvec_grouped_pair takes them (the same bits: each
   // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches
@@ -825,6 +852,7 @@ void GpuEngine::Impl::ffn_layer(int l) {
     mvg(L.up_exps, n_pairs, pair_row, u, d, ex_up, F, part_cols, n);
     swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
   }
+  drop_planes(0);
   mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols, n_pairs);
   // The last large read of the layer: what follows (combine, mHC post, then the next layer's mHC
   // pre, or the head's) is latency-bound until the next layer's u products or the LM head.
@@ -843,12 +871,17 @@ void GpuEngine::Impl::head() {
   if (n_out == 0) return;
   mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
   hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
-          cfg.norm_eps, dw.output_norm, head_in, stream);  // output_norm fused
+          cfg.norm_eps, dw.output_norm, head_in, stream, planes_out(1), planes_ld(d));  // output_norm fused
+  give_planes(1, head_in, d, n_out);
   mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
+  drop_planes(1);
 }
 
 // Every kernel of a step, in order, on the stream (the inputs are already on their way).
 void GpuEngine::Impl::launch_step() {
+  fused_planes = planes_fused() && matvec_int8();
+  drop_planes(0);
+  drop_planes(1);
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
   embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
@@ -865,7 +898,7 @@ void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
                                    matvec_settings_key(), prefetch, matvec_imma(),
-                                   matvec_imma_grouped());
+                                   matvec_imma_grouped(), planes_fused());
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

@@ -124,7 +124,7 @@ __global__ void __launch_bounds__(kWideThreads)
                   const float* __restrict__ mix, int64_t mix_ld, const float* __restrict__ scale,
                   const float* __restrict__ base, int iters, float hc_eps, float norm_eps,
                   const float* __restrict__ norm_w, float* __restrict__ U, float* __restrict__ post,
-                  float* __restrict__ comb) {
+                  float* __restrict__ comb, uint8_t* __restrict__ planes, int64_t ldp) {
   ds4_grid_begin();
   const int hc = HC > 0 ? HC : hc_rt;
   extern __shared__ float u_s[];  // [d]: u before its norm (part 0 with norm_w)
@@ -184,10 +184,15 @@ __global__ void __launch_bounds__(kWideThreads)
       u[k] = acc;
     }
   }
-  if (!norm_w) return;  // the same for the whole block
-  const double ut = block_sum_wide(uss, red);
-  const float r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(norm_eps)));
-  for (int64_t k = tid; k < d; k += kWideThreads) u[k] = (u_s[k] * r) * norm_w[k];
+  if (norm_w) {  // the same for the whole block
+    const double ut = block_sum_wide(uss, red);
+    const float r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(norm_eps)));
+    for (int64_t k = tid; k < d; k += kWideThreads) u[k] = (u_s[k] * r) * norm_w[k];
+  }
+  if (planes != nullptr) {  // the integer products' planes of the row (xplanes.cuh)
+    __syncthreads();
+    unit_planes_of_row(u, d, planes + static_cast<int64_t>(row) * ldp);
+  }
 }
 
 // HC > 0: hc_mult known at compile time (the streams stay in registers); 0: hc is a run-time value.
@@ -355,16 +360,40 @@ __global__ void __launch_bounds__(DS4_WARP)
   }
 }
 
+__device__ __forceinline__ float swiglu_one(float gv, float uv, float limit) {
+  if (limit > 0.0f) {
+    gv = fminf(gv, limit);
+    uv = fminf(fmaxf(uv, -limit), limit);
+  }
+  return silu_dev(gv) * uv;
+}
+
 __global__ void swiglu_kernel(float* __restrict__ G, const float* __restrict__ U, int64_t total, float limit) {
   ds4_grid_begin();
   for (int64_t idx = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; idx < total;
-       idx += static_cast<int64_t>(gridDim.x) * blockDim.x) {
-    float gv = G[idx], uv = U[idx];
-    if (limit > 0.0f) {
-      gv = fminf(gv, limit);
-      uv = fminf(fmaxf(uv, -limit), limit);
+       idx += static_cast<int64_t>(gridDim.x) * blockDim.x)
+    G[idx] = swiglu_one(G[idx], U[idx], limit);
+}
+
+// swiglu_kernel's values, four a thread, and the planes of each output row (xplanes.cuh) beside
+// them: row r's at P + r * ldp. width % 32 == 0, so a unit's 8 threads are in one row and one step
+// of the loop (its bound is a multiple of 8 threads).
+__global__ void swiglu_planes_kernel(float* __restrict__ G, const float* __restrict__ U, int64_t width,
+                                     int64_t total4, float limit, uint8_t* __restrict__ P, int64_t ldp) {
+  ds4_grid_begin();
+  for (int64_t t0 = static_cast<int64_t>(blockIdx.x) * blockDim.x; t0 < total4;
+       t0 += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const int64_t t = t0 + threadIdx.x;
+    const bool live = t < total4;
+    float4 v = make_float4(0.f, 0.f, 0.f, 0.f);
+    if (live) {
+      const float4 g = reinterpret_cast<const float4*>(G)[t], u = reinterpret_cast<const float4*>(U)[t];
+      v = make_float4(swiglu_one(g.x, u.x, limit), swiglu_one(g.y, u.y, limit), swiglu_one(g.z, u.z, limit),
+                      swiglu_one(g.w, u.w, limit));
+      reinterpret_cast<float4*>(G)[t] = v;
     }
-    G[idx] = silu_dev(gv) * uv;
+    const int64_t e = 4 * t, row = e / width;
+    unit_planes_part(v, static_cast<int>(t % kPlaneThreads), live, P + row * ldp + kPlaneBytes * ((e % width) / 32));
   }
 }
 
@@ -441,24 +470,25 @@ void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
 static void launch_hc_mix(int parts, const float* X, const int32_t* lanes, int rows, int hc, int64_t d,
                           const float* mix, int64_t mix_ld, const float* scale, const float* base, int iters,
                           float hc_eps, float norm_eps, const float* norm_w, float* U, float* post, float* comb,
-                          cudaStream_t st) {
+                          uint8_t* planes, int64_t ldp, cudaStream_t st) {
   if (d <= 0 || d > 12 * 1024) throw std::invalid_argument("GPU mHC: n_embd must be 1..12288");
+  if (planes != nullptr && d % 32 != 0) throw std::invalid_argument("GPU mHC: planes need n_embd % 32 == 0");
   const size_t smem = norm_w ? static_cast<size_t>(d) * sizeof(float) : 0;
   const dim3 grid(static_cast<unsigned>(parts), static_cast<unsigned>(rows));
   if (hc == 4)
     launch(hc_mix_kernel<4>, grid, kWideThreads, smem, st, X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
-                                                       norm_eps, norm_w, U, post, comb);
+                                                       norm_eps, norm_w, U, post, comb, planes, ldp);
   else
     launch(hc_mix_kernel<0>, grid, kWideThreads, smem, st, X, lanes, hc, d, mix, mix_ld, scale, base, iters, hc_eps,
-                                                       norm_eps, norm_w, U, post, comb);
+                                                       norm_eps, norm_w, U, post, comb, planes, ldp);
 }
 
 void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
             const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w, float* U, float* post,
-            float* comb, Stream s) {
+            float* comb, Stream s, uint8_t* planes, int64_t ldp) {
   if (n <= 0) return;
   launch_hc_mix(2, X, nullptr, n, hc, d, mix, mix_ld, scale, base, iters, hc_eps, norm_eps, norm_w, U, post, comb,
-                cs(s));
+                planes, ldp, cs(s));
   DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (pre)");
 }
 
@@ -474,10 +504,10 @@ void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* po
 
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
              const float* scale, const float* base, float hc_eps, float norm_eps, const float* norm_w, float* out,
-             Stream s) {
+             Stream s, uint8_t* planes, int64_t ldp) {
   if (n_out <= 0) return;
   launch_hc_mix(1, X, lanes, n_out, hc, d, mix, mix_ld, scale, base, 0, hc_eps, norm_eps, norm_w, out, nullptr,
-                nullptr, cs(s));
+                nullptr, planes, ldp, cs(s));
   DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (head)");
 }
 
@@ -524,9 +554,18 @@ void route(const float* logits, int n, int n_expert, int k, bool hash, const int
   DS4_GPU_CHECK_LAUNCH("route_kernel");
 }
 
-void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s) {
+void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s, uint8_t* planes,
+            int64_t ldp) {
   const int64_t total = rows * width;
   if (total <= 0) return;
+  if (planes != nullptr) {
+    if (width % 32 != 0) throw std::invalid_argument("GPU swiglu: planes need width % 32 == 0");
+    const int64_t blocks = std::min<int64_t>((total / 4 + 255) / 256, 4096);
+    launch(swiglu_planes_kernel, static_cast<unsigned>(blocks), 256, 0, cs(s), G, U, width, total / 4, limit, planes,
+           ldp);
+    DS4_GPU_CHECK_LAUNCH("swiglu_planes_kernel");
+    return;
+  }
   const int64_t blocks = std::min<int64_t>((total + 255) / 256, 4096);
   launch(swiglu_kernel, static_cast<unsigned>(blocks), 256, 0, cs(s), G, U, total, limit);
   DS4_GPU_CHECK_LAUNCH("swiglu_kernel");

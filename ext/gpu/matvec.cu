@@ -165,6 +165,9 @@ bool use_chunks(const TensorView& W, int64_t units) {
 
 // The integer Q8_0 and Q4_K products (xplanes.cuh); -1: not read from the environment yet.
 std::atomic<int> g_int8{-1};
+// Producer-built planes (matvec_fused.h planes_fused); -1: not read yet.
+std::atomic<int> g_planes_fused{-1};
+std::atomic<int64_t> g_prep_launches{0};  // prep kernel launches so far (tests: what the given planes save)
 
 // The types the planes serve, and whether a product of W takes them now.
 template <int T>
@@ -760,7 +763,7 @@ void matvec_simt(const TensorView& W, int64_t units, int n_batch, int64_t w_stri
   const bool planes = planes_for(W);
   PlanesLease lease;
   if (planes && ready == nullptr)
-    lease = prepare_planes(X, ldx, x_stride, ncols, n_batch, W.ne[0], scratch.planes, scratch.planes_bytes, s);
+    lease = prepare_planes(X, ldx, x_stride, ncols, n_batch, W.ne[0], scratch, s);
   const uint8_t* P = ready != nullptr ? ready : lease.data;
   const int64_t ldp = ready != nullptr ? ready_ldp : lease.ldp;
   // Wide Q8_0 calls on the integer tensor cores where they serve: the same bits (imma_q8.cu).
@@ -882,23 +885,7 @@ __global__ void __launch_bounds__(kPlanesPrepThreads)
   const int w = static_cast<int>(t % kPlaneThreads);
   const bool live = u < units;  // every lane takes part in the shuffles
   const float4 v = live ? ds4_ldg(reinterpret_cast<const float4*>(x + 32 * u) + w) : make_float4(0.f, 0.f, 0.f, 0.f);
-  uint32_t amax = abs_bits_max(v);
-#pragma unroll
-  for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
-  float s_inv, s256;
-  plane_scale(amax, &s_inv, &s256);
-  uint32_t w0, w1, w2;
-  int32_t m = plane_words(v, s_inv, &w0, &w1, &w2);
-#pragma unroll
-  for (int o = 1; o < kPlaneThreads / 2; o <<= 1) m += ds4_shfl_xor(m, o);  // integers: any order
-  if (live) {
-    uint32_t* rec = reinterpret_cast<uint32_t*>(P + static_cast<int64_t>(j) * ldp + kPlaneBytes * u);
-    rec[w] = w0;
-    rec[8 + w] = w1;
-    rec[16 + w] = w2;
-    if (w == 0) reinterpret_cast<float*>(rec)[kPlaneScaleOff / 4] = s256;
-    if (w % (kPlaneThreads / 2) == 0) reinterpret_cast<int32_t*>(rec)[kPlaneScaleOff / 4 + 1 + w / 4] = m;
-  }
+  unit_planes_part(v, w, live, P + static_cast<int64_t>(j) * ldp + kPlaneBytes * u);
 }
 
 }  // namespace
@@ -906,6 +893,11 @@ __global__ void __launch_bounds__(kPlanesPrepThreads)
 bool int8_on() { return env_switch(g_int8, "DS4_GPU_MV_INT8"); }
 void set_matvec_int8(bool on) { g_int8.store(on ? 1 : 0, std::memory_order_relaxed); }
 bool matvec_int8() { return int8_on(); }
+void set_planes_fused(bool on) { g_planes_fused.store(on ? 1 : 0, std::memory_order_relaxed); }
+bool planes_fused() { return env_switch(g_planes_fused, "DS4_GPU_PLANES_FUSED"); }
+namespace testing {
+int64_t planes_prep_launches() { return g_prep_launches.load(std::memory_order_relaxed); }
+}  // namespace testing
 
 PlanesLease& PlanesLease::operator=(PlanesLease&& o) noexcept {
   if (this != &o) {
@@ -925,15 +917,24 @@ PlanesLease::~PlanesLease() {
 }
 
 PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int ncols, int n_batch, int64_t K,
-                           uint8_t* scratch, size_t scratch_bytes, cudaStream_t stream) {
+                           const MatvecScratch& scratch, cudaStream_t stream) {
   PlanesLease lease;
+  lease.stream = stream;
+  if (n_batch == 1) {
+    for (const GivenPlanes& g : scratch.given) {
+      if (g.x != nullptr && g.x == X && g.ldx == ldx && g.k == K && ncols <= g.cols) {
+        lease.data = g.data;
+        lease.ldp = g.ldp;
+        return lease;
+      }
+    }
+  }
   const int64_t units = K / 32;
   const int64_t cols = static_cast<int64_t>(ncols) * n_batch;
   const size_t need = matvec_planes_bytes(K, cols);
   lease.ldp = units * kPlaneBytes;
-  lease.stream = stream;
-  if (scratch != nullptr && need <= scratch_bytes) {
-    lease.data = scratch;
+  if (scratch.planes != nullptr && need <= scratch.planes_bytes) {
+    lease.data = scratch.planes;
   } else {
     DS4_GPU_CHECK(cudaMallocAsync(&lease.owned, need, stream));
     lease.data = static_cast<const uint8_t*>(lease.owned);
@@ -945,6 +946,7 @@ PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int nc
     launch(x_planes_kernel, grid, kPlanesPrepThreads, 0, stream, X, ldx, x_member, ncols, units,
            const_cast<uint8_t*>(lease.data), lease.ldp, j0);
     DS4_GPU_CHECK_LAUNCH("x_planes_kernel");
+    g_prep_launches.fetch_add(1, std::memory_order_relaxed);
   }
   return lease;
 }
@@ -1071,7 +1073,7 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
   PlanesLease lease;
   GroupedPlanes gp;
   if (planes_for(W) && x_rows > 0 && own_takes(W, units)) {
-    lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch.planes, scratch.planes_bytes, s);
+    lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch, s);
     gp = GroupedPlanes{lease.data, lease.ldp};
     // Steps of many rows on the integer tensor cores where they serve: the same bits (imma_q4k.cu).
     if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, gp.data, gp.ldp, Y, ldy, s))

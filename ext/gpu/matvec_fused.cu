@@ -280,7 +280,7 @@ int matvec_multi(const MatvecProduct* products_in, int n_in, const float* X, int
     const DType t = products[i].W.type;
     any_planes = any_planes || ((t == DType::Q8_0 || t == DType::Q4_K) && products[i].W.ne[1] > 0);
   }
-  if (any_planes && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch.planes, scratch.planes_bytes, s);
+  if (any_planes && int8_on()) planes = prepare_planes(X, ldx, 0, ncols, 1, K, scratch, s);
   if (!fuse_on() || ncols > kMultiMaxCols) {
     for (int i = 0; i < n_products; ++i) {
       const MatvecProduct& p = products[i];
@@ -370,7 +370,7 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const Exper
   PlanesLease planes;
   if (matvec_int8()) {
     if (x_rows <= 0) return false;
-    planes = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, Wg.ne[0], scratch.planes, scratch.planes_bytes, s);
+    planes = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, Wg.ne[0], scratch, s);
   }
   if (max_cols <= 1)
     return launch_pair_maxc<1>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s,
@@ -514,6 +514,10 @@ bool set_pdl(bool on) {
 bool set_matvec_int8(bool on) {
   ds4::gpu::set_matvec_int8(on);
   return ds4::gpu::matvec_int8();
+}
+bool set_planes_fused(bool on) {
+  ds4::gpu::set_planes_fused(on);
+  return ds4::gpu::planes_fused();
 }
 
 }  // namespace testing

@@ -48,11 +48,22 @@ struct MatvecProduct {
 // order, so one buffer serves every product of a stream; 16-byte aligned; empty is allowed.
 // planes: the integer Q8_0 products' planes of X (xplanes.cuh), matvec_planes_bytes of the widest
 // call; a call without room makes a stream-ordered allocation of its own (the same bits).
+// given: planes a producer kernel already wrote beside its output (rms_norm, hc_pre, hc_head and
+// swiglu take a planes pointer): a call whose X is one of them reads them instead of launching the
+// prep (the same bytes). The caller names them only while they hold X's current values.
+struct GivenPlanes {
+  const float* x = nullptr;  // X: `cols` columns of k elements, ldx apart
+  int64_t ldx = 0, k = 0, cols = 0;
+  const uint8_t* data = nullptr;  // column c's planes at data + c * ldp
+  int64_t ldp = 0;
+};
+constexpr int kGivenPlanesMax = 2;
 struct MatvecScratch {
   float* data = nullptr;
   size_t bytes = 0;
   uint8_t* planes = nullptr;
   size_t planes_bytes = 0;
+  GivenPlanes given[kGivenPlanesMax];
 };
 
 // Bytes of planes for `cols` columns of K elements (K a multiple of 32): 112 per 32 elements.
@@ -72,6 +83,13 @@ bool matvec_mma();
 // matvec_settings_key); each setting is exact and batch-invariant on its own. Process-wide.
 void set_matvec_int8(bool on);
 bool matvec_int8();
+// Producer-built planes: the engine's RMSNorm of q_lat, mHC pre, shared SwiGLU and hc_head write
+// the planes of their output beside it (MatvecScratch::given), so the products of that output
+// launch no prep; the same bytes, so the same bits. On unless DS4_GPU_PLANES_FUSED=0 or
+// set_planes_fused(false); process-wide, read when the engine launches a step (its graphs are keyed
+// by it).
+void set_planes_fused(bool on);
+bool planes_fused();
 // Whether products of W take the tensor-core kernels now: the switch on and mma_matvec_fits(W). A
 // function of W and the switch only, never of the column count or the call.
 bool matvec_uses_mma(const TensorView& W);
@@ -159,6 +177,8 @@ bool set_matvec_mma(bool on);
 bool set_pdl(bool on);
 // set_matvec_int8(on); returns matvec_int8() after it.
 bool set_matvec_int8(bool on);
+// set_planes_fused(on); returns planes_fused() after it.
+bool set_planes_fused(bool on);
 // set_matvec_imma(min_cols) (imma.h: 0 off, -1 the default); returns matvec_imma() after it.
 int set_matvec_imma(int min_cols);
 // set_matvec_imma_grouped(min_pairs_per_expert) (imma.h: 0 off, -1 the default); returns
@@ -166,6 +186,8 @@ int set_matvec_imma(int min_cols);
 int set_matvec_imma_grouped(int min_pairs_per_expert);
 // Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
 int64_t imma_launches();
+// Launches of the planes prep kernel so far in this process (what the producer-built planes save).
+int64_t planes_prep_launches();
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -181,9 +203,11 @@ inline void set_matvec_fuse(bool) { no_backend(); }
 inline bool set_matvec_mma(bool) { no_backend(); }
 inline bool set_pdl(bool) { no_backend(); }
 inline bool set_matvec_int8(bool) { no_backend(); }
+inline bool set_planes_fused(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
 inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int64_t imma_launches() { no_backend(); }
+inline int64_t planes_prep_launches() { no_backend(); }
 }  // namespace testing
 
 #endif

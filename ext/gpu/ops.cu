@@ -37,7 +37,7 @@ constexpr int kNormThreads = 256;
 
 __global__ void __launch_bounds__(kNormThreads)
     rms_norm_kernel(const float* __restrict__ X, int64_t ldx, const float* __restrict__ w, float* __restrict__ Y,
-                    int64_t ldy, int64_t n, float eps) {
+                    int64_t ldy, int64_t n, float eps, uint8_t* __restrict__ planes, int64_t ldp) {
   ds4_grid_begin();
   __shared__ double part[kNormThreads / DS4_WARP];
   __shared__ float r_shared;
@@ -54,6 +54,10 @@ __global__ void __launch_bounds__(kNormThreads)
   __syncthreads();
   const float r = r_shared;
   for (int64_t i = threadIdx.x; i < n; i += kNormThreads) y[i] = w ? (x[i] * r) * w[i] : x[i] * r;
+  if (planes != nullptr) {  // the integer products' planes of the row (xplanes.cuh)
+    __syncthreads();
+    unit_planes_of_row(y, n, planes + static_cast<int64_t>(blockIdx.x) * ldp);
+  }
 }
 static_assert(kNormThreads / DS4_WARP == 8, "rms_norm's final tree is written for 8 warps");
 
@@ -230,10 +234,12 @@ void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_row
 }  // namespace
 
 void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy, int n_rows, int64_t n, float eps,
-              Stream stream) {
+              Stream stream, uint8_t* planes, int64_t ldp) {
   if (n_rows < 0 || n <= 0) throw std::invalid_argument("GPU rms_norm: need n_rows >= 0 and n > 0");
+  if (planes != nullptr && n % 32 != 0) throw std::invalid_argument("GPU rms_norm: planes need n % 32 == 0");
   if (n_rows == 0) return;
-  launch(rms_norm_kernel, n_rows, kNormThreads, 0, static_cast<cudaStream_t>(stream), X, ldx, w, Y, ldy, n, eps);
+  launch(rms_norm_kernel, n_rows, kNormThreads, 0, static_cast<cudaStream_t>(stream), X, ldx, w, Y, ldy, n, eps,
+         planes, ldp);
   DS4_GPU_CHECK_LAUNCH("rms_norm_kernel");
 }
 

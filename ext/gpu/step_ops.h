@@ -39,10 +39,11 @@ void replicate_streams(float* X, int n, int hc, int64_t d, Stream s);
 
 // mHC pre (spec §3.1) from mix = fn . x̂ (unnormalized): u = sum_j pre_j X[i][j], post, comb; then,
 // when norm_w is given, the RMSNorm that follows it (eps norm_eps): U[i] = (u * r) * norm_w, else
-// U[i] = u. d <= 12288.
+// U[i] = u. d <= 12288. planes given (d % 32 == 0): also U[i]'s planes for the integer products
+// (xplanes.cuh) at planes + i * ldp, the prep kernel's bytes. The same for hc_head and swiglu.
 void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t mix_ld, const float* scale,
             const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w, float* U, float* post,
-            float* comb, Stream s);
+            float* comb, Stream s, uint8_t* planes = nullptr, int64_t ldp = 0);
 
 // mHC post (spec §3.2) in place: X[k] = post_k y + sum_j comb[j][k] X[j].
 void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s);
@@ -51,7 +52,7 @@ void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* po
 // given) the output RMSNorm in place as in hc_pre.
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
              const float* scale, const float* base, float hc_eps, float norm_eps, const float* norm_w, float* out,
-             Stream s);
+             Stream s, uint8_t* planes = nullptr, int64_t ldp = 0);
 
 // Per head of every lane: unweighted RMSNorm over head_dim, then the tail RoPE at pos (in place).
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
@@ -76,7 +77,8 @@ void route(const float* logits, int n, int n_expert, int k, bool hash, const int
            const float* bias, bool norm, float scale, int32_t* ids, float* weights, Stream s);
 
 // G[r] = silu(min(G[r], L)) * clamp(U[r], -L, L) (no clamp when limit <= 0), rows x width.
-void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s);
+void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s, uint8_t* planes = nullptr,
+            int64_t ldp = 0);
 
 // Y[i] = sum_k w[i][k] * D[i*K + k] (in selection order) + SH[i] (SH may be null).
 void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s);

@@ -46,6 +46,7 @@
 #include <cstdint>
 
 #include "common.cuh"
+#include "matvec_fused.h"
 
 namespace ds4::gpu {
 
@@ -254,6 +255,45 @@ struct LanePlanesX {
 // of each plane, and the first of each half its half's sum of m. Bytes: 4 K in, 3.5 K out a column.
 constexpr int kPlanesPrepThreads = 128;
 
+// Thread w (0..7) of a unit's group holding the unit's elements 4w..4w+3 in v writes its part of the
+// unit's record rec (live false: a thread past the column's end, which still takes part in the
+// shuffles; its group's threads must all be live or all not). Every group of 8 consecutive lanes of
+// a warp is one unit's. The prep kernel and the producers that write planes beside their output
+// (unit_planes_of_row, swiglu) all build the record here, so the bytes are the same.
+__device__ __forceinline__ void unit_planes_part(float4 v, int w, bool live, uint8_t* rec) {
+  uint32_t amax = abs_bits_max(v);
+#pragma unroll
+  for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
+  float s_inv, s256;
+  plane_scale(amax, &s_inv, &s256);
+  uint32_t w0, w1, w2;
+  int32_t m = plane_words(v, s_inv, &w0, &w1, &w2);
+#pragma unroll
+  for (int o = 1; o < kPlaneThreads / 2; o <<= 1) m += ds4_shfl_xor(m, o);  // integers: any order
+  if (live) {
+    uint32_t* r = reinterpret_cast<uint32_t*>(rec);
+    r[w] = w0;
+    r[8 + w] = w1;
+    r[16 + w] = w2;
+    if (w == 0) reinterpret_cast<float*>(r)[kPlaneScaleOff / 4] = s256;
+    if (w % (kPlaneThreads / 2) == 0) reinterpret_cast<int32_t*>(r)[kPlaneScaleOff / 4 + 1 + w / 4] = m;
+  }
+}
+
+// The planes of the row x (n elements, n % 32 == 0) into P (records kPlaneBytes apart), by the whole
+// block (blockDim.x a multiple of 32; every thread must call it). For a kernel that has just
+// written x itself: the caller's __syncthreads() before this makes those writes visible, and x is
+// read with plain loads (never the read-only path, which may hold stale lines of it).
+__device__ __forceinline__ void unit_planes_of_row(const float* x, int64_t n, uint8_t* P) {
+  const int64_t threads = n / 32 * kPlaneThreads;
+  for (int64_t t0 = 0; t0 < threads; t0 += blockDim.x) {
+    const int64_t t = t0 + threadIdx.x;
+    const bool live = t < threads;
+    const float4 v = live ? reinterpret_cast<const float4*>(x)[t] : make_float4(0.f, 0.f, 0.f, 0.f);
+    unit_planes_part(v, static_cast<int>(t % kPlaneThreads), live, P + kPlaneBytes * (t / kPlaneThreads));
+  }
+}
+
 // --- host side (matvec.cu) -----------------------------------------------------------------
 
 // The integer Q8_0 products: on unless DS4_GPU_MV_INT8=0 or set_matvec_int8(false) (matvec_fused.h).
@@ -274,9 +314,10 @@ struct PlanesLease {
   ~PlanesLease();
 };
 
-// Launches the prep kernel for n_batch x ncols columns of K elements (member i's column c at
-// X + i * x_member + c * ldx), into scratch's planes space when it has room.
+// The planes of n_batch x ncols columns of K elements (member i's column c at X + i * x_member + c *
+// ldx): the given planes of X where scratch names them (one member, the same ldx and K), else the
+// prep kernel's, into scratch's planes space when it has room.
 PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int ncols, int n_batch, int64_t K,
-                           uint8_t* scratch, size_t scratch_bytes, cudaStream_t stream);
+                           const MatvecScratch& scratch, cudaStream_t stream);
 
 }  // namespace ds4::gpu

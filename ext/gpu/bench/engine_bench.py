@@ -32,7 +32,8 @@ includes the plan upload, every kernel and the logits download). Method:
   `mma=0/1` the tensor cores, `fuse=0/1` the fused launches, `persist=0/1` the direct matvec's
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
   products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
-  `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never); joined
+  `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never),
+  `planes=0/1` the producer-built planes (the prep launches they save); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
@@ -188,9 +189,10 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
     return f"graphs={int(graphs)} tall={int(tall)} staged={int(staged)} chunked={int(chunked)}"
 
 
-# The switches a --variants entry may name, each with its setter; unnamed ones go back to the default.
+# The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
+# (l2's: the engine's).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 16, "immag": 2}  # l2: the engine's default
+                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "planes": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -209,6 +211,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_int8(want["int8"])
     _native._testing.gpu_set_matvec_imma(want["imma"])
     _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
+    _native._testing.gpu_set_planes_fused(want["planes"])
 
 
 class Runs:
