@@ -32,6 +32,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool matvec_staged()
         void set_l2_prefetch(cbool on) except +
         cbool l2_prefetch()
+        void set_branches(cbool on) except +
+        cbool branches()
         vector[int64_t] l2_prefetch_log() except +
         uint64_t l2_prefetch_window_bytes()
 
@@ -200,6 +202,17 @@ cdef class GpuEngine:
     @use_l2_prefetch.setter
     def use_l2_prefetch(self, on):
         self._get().set_l2_prefetch(bool(on))
+
+    @property
+    def use_branches(self):
+        """Whether each layer's KV side and shared expert run on a second stream beside the rest (same
+        bits; default on, DS4_GPU_BRANCHES=0 off; taken with the producer-built planes on and the
+        tensor cores off)."""
+        return bool(self._get().branches())
+
+    @use_branches.setter
+    def use_branches(self, on):
+        self._get().set_branches(bool(on))
 
     @property
     def l2_prefetch_window_bytes(self):

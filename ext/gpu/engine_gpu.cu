@@ -162,6 +162,13 @@ struct GpuEngine::Impl {
   int max_blocks = 0;
   bool csa = false, hca = false;
   cudaStream_t stream = nullptr;
+  // Step branches (set_branches): independent stretches of a layer run on `side`, forked from and
+  // joined back into the stream by the two events (graph capture records them as parallel branches).
+  bool branches = false;     // the switch
+  bool branching = false;    // this step's launches branch: the switch, with no product using scratch
+  bool side_pending = false;  // side work not yet joined
+  cudaStream_t side = nullptr;
+  cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
 
   DeviceMemory weights, rings, states, pages, inputs, arena;
   DeviceMemory mma_scratch;  // the tensor-core products' scratch (allocated once the switch is seen on)
@@ -205,8 +212,9 @@ struct GpuEngine::Impl {
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
-  // the L2 prefetch; the integer tensor cores' two thresholds, imma.h; the producer-built planes).
-  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, bool>, cudaGraphExec_t> graph_cache;
+  // the L2 prefetch; the integer tensor cores' two thresholds, imma.h; the producer-built planes;
+  // the step branches).
+  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, bool, bool>, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
   StepLanes lanes;  // device views of the step inputs
@@ -242,15 +250,41 @@ struct GpuEngine::Impl {
     return MatvecScratch{reinterpret_cast<float*>(mma_scratch.data()), static_cast<size_t>(mma_scratch.bytes()),
                          x_planes, static_cast<size_t>(x_planes_bytes), {given[0], given[1]}};
   }
-  // Where the producer of X (rows of k elements; given slot 0: u, 1: the others) writes its planes,
-  // null with the producer-built planes off; then give_planes names them to X's products, and
-  // drop_planes ends that before anything rewrites X.
-  uint8_t* planes_out(int slot) const { return fused_planes ? (slot == 0 ? planes_u : planes_b) : nullptr; }
+  // Where a producer of X writes X's planes (buf: planes_u, planes_b or the prep space), null with
+  // the producer-built planes off; then give_planes names them to X's products (rows of k
+  // elements), and drop_planes(slot) ends that before anything rewrites X or buf.
+  uint8_t* planes_out(uint8_t* buf) const { return fused_planes ? buf : nullptr; }
   static int64_t planes_ld(int64_t k) { return static_cast<int64_t>(matvec_planes_bytes(k, 1)); }
-  void give_planes(int slot, const float* X, int64_t k, int rows) {
-    if (fused_planes) given[slot] = GivenPlanes{X, k, k, rows, planes_out(slot), planes_ld(k)};
+  void give_planes(int slot, const float* X, int64_t k, int rows, const uint8_t* buf) {
+    if (fused_planes) given[slot] = GivenPlanes{X, k, k, rows, buf, planes_ld(k)};
   }
   void drop_planes(int slot) { given[slot] = GivenPlanes{}; }
+  // Launches f's kernels on the side stream, after everything launched so far; join_side() makes
+  // the stream wait for them. Without branching, f runs in line (the same kernels, the same bits).
+  template <class F>
+  void on_side(F&& f) {
+    if (!branching) {
+      f();
+      return;
+    }
+    DS4_GPU_CHECK(cudaEventRecord(fork_ev, stream));
+    DS4_GPU_CHECK(cudaStreamWaitEvent(side, fork_ev, 0));
+    std::swap(stream, side);
+    try {
+      f();
+    } catch (...) {
+      std::swap(stream, side);
+      throw;
+    }
+    std::swap(stream, side);
+    DS4_GPU_CHECK(cudaEventRecord(join_ev, side));
+    side_pending = true;
+  }
+  void join_side() {
+    if (!side_pending) return;
+    DS4_GPU_CHECK(cudaStreamWaitEvent(stream, join_ev, 0));
+    side_pending = false;
+  }
   int staged_min() const { return staged ? kMatvecStagedMin : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min(), scratch());
@@ -313,6 +347,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
+  branches = env_flag("DS4_GPU_BRANCHES", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
     char* end = nullptr;
@@ -324,6 +359,9 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   attention_prepare();
   matvec_prepare();  // before any graph capture
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
+  DS4_GPU_CHECK(cudaStreamCreate(&side));
+  DS4_GPU_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
+  DS4_GPU_CHECK(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
   weights = DeviceMemory(file.size());
@@ -385,6 +423,9 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
 GpuEngine::Impl::~Impl() {
   for (auto& g : graph_cache) (void)cudaGraphExecDestroy(g.second);
   for (cudaEvent_t e : piece_done) (void)cudaEventDestroy(e);
+  if (fork_ev) (void)cudaEventDestroy(fork_ev);
+  if (join_ev) (void)cudaEventDestroy(join_ev);
+  if (side) (void)cudaStreamDestroy(side);
   if (stream) (void)cudaStreamDestroy(stream);
 }
 
@@ -652,8 +693,8 @@ void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   mv(w.fn, x_hc, n, hcd, mix_buf, mix);
   hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, norm,
-         u, post_buf, comb_buf, stream, planes_out(0), planes_ld(d));
-  give_planes(0, u, d, n);  // until the site's last product of u
+         u, post_buf, comb_buf, stream, planes_out(planes_u), planes_ld(d));
+  give_planes(0, u, d, n, planes_u);  // until the site's last product of u
 }
 
 void GpuEngine::Impl::attention_layer(int l) {
@@ -686,8 +727,60 @@ void GpuEngine::Impl::attention_layer(int l) {
     mvm(pu, m, u, d);
   }
   drop_planes(0);
-  rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream, planes_out(1), planes_ld(ql));
-  give_planes(1, q_lat, ql, n);
+  // (A') The KV side, on the side branch: the raw row's norm and RoPE, the compressors' APE and state
+  // updates read only what the u products wrote; beside it the q path (q_lat's norm, q_b, the heads).
+  on_side([&] {
+    kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
+    if (L.ratio > 0) {
+      const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
+      add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
+      CompressorLaunch a;
+      a.states = reinterpret_cast<float*>(states.data());
+      a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
+      a.kv_off = static_cast<int64_t>(LL.state_off);
+      a.rows = LL.attn_rows;
+      a.width = LL.attn_width;
+      a.ratio = L.ratio;
+      a.c = static_cast<int>(hd);
+      a.rope_dim = rd;
+      a.k = comp_kv;
+      a.z = comp_sc;
+      a.ld = cw;
+      a.norm = L.comp.norm;
+      a.eps = eps;
+      a.inv_freq = freqs(l);
+      a.qat = qat ? 1 : 0;
+      a.pages = reinterpret_cast<uint16_t*>(pages.data());
+      a.page_elems = static_cast<int64_t>(layout.page_elems);
+      a.row_off = static_cast<int64_t>(LL.comp_off);
+      compressor_update(a, lanes, n_groups, stream);
+    }
+    if (L.ratio == 4) {
+      add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
+      CompressorLaunch a;
+      a.states = reinterpret_cast<float*>(states.data());
+      a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
+      a.kv_off = static_cast<int64_t>(LL.state_off) + 2ll * LL.attn_rows * LL.attn_width;
+      a.rows = LL.idx_rows;
+      a.width = LL.idx_width;
+      a.ratio = 4;
+      a.c = static_cast<int>(ihd);
+      a.rope_dim = rd;
+      a.k = idx_kv;
+      a.z = idx_sc;
+      a.ld = icw;
+      a.norm = L.idx_comp.norm;
+      a.eps = eps;
+      a.inv_freq = freqs(l);
+      a.qat = qat ? 2 : 0;
+      a.pages = reinterpret_cast<uint16_t*>(pages.data());
+      a.page_elems = static_cast<int64_t>(layout.page_elems);
+      a.row_off = static_cast<int64_t>(LL.idx_off);
+      compressor_update(a, lanes, n_groups, stream);
+    }
+  });
+  rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream, planes_out(planes_b), planes_ld(ql));
+  give_planes(1, q_lat, ql, n, planes_b);
   {
     MatvecProduct pq[2] = {{L.q_b, q, nh * hd}, {L.idx_q_b, idx_q, inh * ihd}};
     mvm(pq, L.ratio == 4 ? 2 : 1, q_lat, ql);
@@ -697,18 +790,13 @@ void GpuEngine::Impl::attention_layer(int l) {
   // layer's largest dense read.
   prefetch_window(kPrefetchAttn, l, {&L.wo_a, &L.wo_b});
   q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
-  kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
-  if (L.ratio > 0) {
-    const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
-    add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
-  }
   if (L.ratio == 4) {
     // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
     const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
     idx_q_finish(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), rd, lanes.pos, freqs(l), qat, w_scale,
                  stream);
-    add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
   }
+  join_side();  // the indexer and the attention read the compressed rows and kv16
 
   // (B) per slot. Launch sizes: this step's largest key count and indexer candidate count, or
   // under graph capture their bounds for any position below max_ctx (results are the same: the
@@ -727,55 +815,11 @@ void GpuEngine::Impl::attention_layer(int l) {
       max_vis = std::max(max_vis, static_cast<int>((t + 1) / 4));
     }
   }
-  if (L.ratio > 0) {
-    CompressorLaunch a;
-    a.states = reinterpret_cast<float*>(states.data());
-    a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
-    a.kv_off = static_cast<int64_t>(LL.state_off);
-    a.rows = LL.attn_rows;
-    a.width = LL.attn_width;
-    a.ratio = L.ratio;
-    a.c = static_cast<int>(hd);
-    a.rope_dim = rd;
-    a.k = comp_kv;
-    a.z = comp_sc;
-    a.ld = cw;
-    a.norm = L.comp.norm;
-    a.eps = eps;
-    a.inv_freq = freqs(l);
-    a.qat = qat ? 1 : 0;
-    a.pages = reinterpret_cast<uint16_t*>(pages.data());
-    a.page_elems = static_cast<int64_t>(layout.page_elems);
-    a.row_off = static_cast<int64_t>(LL.comp_off);
-    compressor_update(a, lanes, n_groups, stream);
-  }
-  if (L.ratio == 4) {
-    CompressorLaunch a;
-    a.states = reinterpret_cast<float*>(states.data());
-    a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
-    a.kv_off = static_cast<int64_t>(LL.state_off) + 2ll * LL.attn_rows * LL.attn_width;
-    a.rows = LL.idx_rows;
-    a.width = LL.idx_width;
-    a.ratio = 4;
-    a.c = static_cast<int>(ihd);
-    a.rope_dim = rd;
-    a.k = idx_kv;
-    a.z = idx_sc;
-    a.ld = icw;
-    a.norm = L.idx_comp.norm;
-    a.eps = eps;
-    a.inv_freq = freqs(l);
-    a.qat = qat ? 2 : 0;
-    a.pages = reinterpret_cast<uint16_t*>(pages.data());
-    a.page_elems = static_cast<int64_t>(layout.page_elems);
-    a.row_off = static_cast<int64_t>(LL.idx_off);
-    compressor_update(a, lanes, n_groups, stream);
-    if (max_vis > cfg.index_topk) {
-      indexer_scores(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), lanes,
-                     reinterpret_cast<const uint16_t*>(pages.data()), static_cast<int64_t>(layout.page_elems),
-                     static_cast<int64_t>(LL.idx_off), cfg.index_topk, max_vis, idx_scores, n_idx, stream);
-      indexer_topk(idx_scores, n_idx, n, lanes.pos, cfg.index_topk, comp_sel, n_sel, stream);
-    }
+  if (L.ratio == 4 && max_vis > cfg.index_topk) {
+    indexer_scores(idx_q, idx_w, n, static_cast<int>(inh), static_cast<int>(ihd), lanes,
+                   reinterpret_cast<const uint16_t*>(pages.data()), static_cast<int64_t>(layout.page_elems),
+                   static_cast<int64_t>(LL.idx_off), cfg.index_topk, max_vis, idx_scores, n_idx, stream);
+    indexer_topk(idx_scores, n_idx, n, lanes.pos, cfg.index_topk, comp_sel, n_sel, stream);
   }
   uint16_t* ring = reinterpret_cast<uint16_t*>(rings.data()) +
                    static_cast<int64_t>(l) * opts.max_slots * kRingRows * hd;
@@ -821,6 +865,20 @@ void GpuEngine::Impl::ffn_layer(int l) {
   const int64_t d = cfg.n_embd, F = cfg.expert_ffn;
   const int E = cfg.n_expert, K = cfg.n_expert_used;
   hc_pre_site(L.hc_ffn, L.ffn_norm);
+  // The shared expert first, on the side branch: its weights are what the FFN prologue's prefetch
+  // asked for, and it reads only u and writes its own buffers, so it runs beside the router, the
+  // routing and the routed experts (no bit changes).
+  const bool shared = cfg.n_expert_shared == 1;
+  if (shared) {
+    on_side([&] {
+      MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
+      mvm(gu, 2, u, d);
+      swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream, planes_out(planes_b), planes_ld(F));
+      give_planes(1, sh_gate, F, n, planes_b);
+      mv(L.down_sh, sh_gate, n, F, sh_down, d);
+      drop_planes(1);
+    });
+  }
   mv(L.gate_inp, u, n, d, router, E);
   route(router, n, E, K, l < cfg.n_hash_layers, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
         cfg.expert_weights_scale, sel_id, sel_w, stream);
@@ -831,29 +889,20 @@ void GpuEngine::Impl::ffn_layer(int l) {
   // A part holds at most one pair per lane (routes are distinct per lane), so n lanes bound its
   // width: the kernel is sized for that (wider parts would still run, in pieces).
   const int part_cols = std::min<int>(n, kExpertPart);
-  // The shared expert first: its weights are what the FFN prologue's prefetch asked for, and the
-  // routed experts' reads (tens of MB) would push them out of L2 before a later turn. Its buffers
-  // are its own, so the order changes no bit.
-  const bool shared = cfg.n_expert_shared == 1;
-  if (shared) {
-    MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
-    mvm(gu, 2, u, d);
-    swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream, planes_out(1), planes_ld(F));
-    give_planes(1, sh_gate, F, n);
-    mv(L.down_sh, sh_gate, n, F, sh_down, d);
-    drop_planes(1);
-  }
   // Gate, up and SwiGLU in one launch where matvec_grouped_pair takes them (the same bits: each
   // sum as matvec_grouped gives it, the swiglu kernel's expression on it); else three launches
-  // (always with the tensor-core switch on: the pair declines stacks the tensor cores take).
+  // (always with the tensor-core switch on: the pair declines stacks the tensor cores take), the
+  // SwiGLU writing the down product's planes into the prep space (the side branch never preps).
   if (!matvec_grouped_pair(L.gate_exps, L.up_exps, parts, n_parts, n_pairs, sorted_pairs, pair_row, u, d, ex_gate,
                            nullptr, F, cfg.swiglu_clamp_exp[l], stream, part_cols, n, scratch())) {
     mvg(L.gate_exps, n_pairs, pair_row, u, d, ex_gate, F, part_cols, n);
     mvg(L.up_exps, n_pairs, pair_row, u, d, ex_up, F, part_cols, n);
-    swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream);
+    drop_planes(0);
+    swiglu(ex_gate, ex_up, n_pairs, F, cfg.swiglu_clamp_exp[l], stream, planes_out(x_planes), planes_ld(F));
+    give_planes(0, ex_gate, F, n_pairs, x_planes);
   }
-  drop_planes(0);
   mvg(L.down_exps, n_pairs, nullptr, ex_gate, F, ex_down, d, part_cols, n_pairs);
+  drop_planes(0);
   // The last large read of the layer: what follows (combine, mHC post, then the next layer's mHC
   // pre, or the head's) is latency-bound until the next layer's u products or the LM head.
   if (l + 1 < cfg.n_layer) {
@@ -861,6 +910,7 @@ void GpuEngine::Impl::ffn_layer(int l) {
   } else if (!logit_lanes.empty()) {
     prefetch_window(kPrefetchHead, cfg.n_layer, {&dw.hc_head.fn, &dw.output});
   }
+  join_side();  // the combine reads the shared expert's output
   moe_combine(ex_down, sel_w, shared ? sh_down : nullptr, n, K, d, y, stream);
   hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
 }
@@ -871,8 +921,8 @@ void GpuEngine::Impl::head() {
   if (n_out == 0) return;
   mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
   hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
-          cfg.norm_eps, dw.output_norm, head_in, stream, planes_out(1), planes_ld(d));  // output_norm fused
-  give_planes(1, head_in, d, n_out);
+          cfg.norm_eps, dw.output_norm, head_in, stream, planes_out(planes_b), planes_ld(d));  // output_norm fused
+  give_planes(1, head_in, d, n_out, planes_b);
   mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
   drop_planes(1);
 }
@@ -880,6 +930,9 @@ void GpuEngine::Impl::head() {
 // Every kernel of a step, in order, on the stream (the inputs are already on their way).
 void GpuEngine::Impl::launch_step() {
   fused_planes = planes_fused() && matvec_int8();
+  // The side branch's products must not share the scratch with the stream's: with the planes given
+  // it preps none, and without the tensor cores nothing else of the scratch is used.
+  branching = branches && fused_planes && !matvec_mma();
   drop_planes(0);
   drop_planes(1);
   prefetch_log.clear();
@@ -891,6 +944,7 @@ void GpuEngine::Impl::launch_step() {
     ffn_layer(l);
   }
   head();
+  join_side();
 }
 
 // Replay the step's bucket graph, capturing it first if this bucket is new.
@@ -898,7 +952,7 @@ void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
                                    matvec_settings_key(), prefetch, matvec_imma(),
-                                   matvec_imma_grouped(), planes_fused());
+                                   matvec_imma_grouped(), planes_fused(), branches);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1014,6 +1068,8 @@ void GpuEngine::set_matvec_staged(bool on) { impl_->staged = on; }
 bool GpuEngine::matvec_staged() const { return impl_->staged; }
 void GpuEngine::set_l2_prefetch(bool on) { impl_->prefetch = on && l2_prefetch_supported(); }
 bool GpuEngine::l2_prefetch() const { return impl_->prefetch; }
+void GpuEngine::set_branches(bool on) { impl_->branches = on; }
+bool GpuEngine::branches() const { return impl_->branches; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }
 uint64_t GpuEngine::l2_prefetch_window_bytes() const { return impl_->prefetch_cap; }
 

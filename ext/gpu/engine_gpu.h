@@ -93,6 +93,13 @@ class GpuEngine {
   // it on where it is unsupported leaves it off (the getter tells). Part of the graph key.
   void set_l2_prefetch(bool on);
   bool l2_prefetch() const;
+  // Step branches: a layer's KV side (the raw row's norm and RoPE, the compressors' updates) and
+  // its shared expert run on a second stream beside the q path and the routing and routed experts
+  // (parallel branches in a graph). The same kernels on the same values: the same bits. Taken only
+  // with the producer-built planes on and the tensor cores off (the branches then share no
+  // scratch). Default: on; DS4_GPU_BRANCHES=0 turns it off. Part of the graph key.
+  void set_branches(bool on);
+  bool branches() const;
   // What the last step that launched its kernels (eager, or a graph capture) asked L2 for: four
   // numbers a range, (window, layer, file offset, bytes); windows 0 = the attention prologue of
   // `layer` (its mHC weights, the u products, q_b), 1 = its attention (wo_a, wo_b), 2 = its FFN
@@ -135,6 +142,8 @@ class GpuEngine {
   bool matvec_staged() const { return false; }
   void set_l2_prefetch(bool) { throw std::runtime_error("no GPU backend"); }
   bool l2_prefetch() const { return false; }
+  void set_branches(bool) { throw std::runtime_error("no GPU backend"); }
+  bool branches() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }
   uint64_t l2_prefetch_window_bytes() const { return 0; }
 };

@@ -70,6 +70,7 @@
 #define cudaEventDestroy hipEventDestroy
 #define cudaEventRecord hipEventRecord
 #define cudaEventSynchronize hipEventSynchronize
+#define cudaStreamWaitEvent hipStreamWaitEvent
 #define cudaEventElapsedTime hipEventElapsedTime
 #define cudaGraph_t hipGraph_t
 #define cudaGraphExec_t hipGraphExec_t

@@ -33,7 +33,8 @@ includes the plan upload, every kernel and the logits download). Method:
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
   products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
   `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never),
-  `planes=0/1` the producer-built planes (the prep launches they save); joined
+  `planes=0/1` the producer-built planes (the prep launches they save), `branch=0/1` the step
+  branches (the KV side and the shared expert on a second stream); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
@@ -192,7 +193,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
 # (l2's: the engine's).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "planes": True}
+                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "planes": True, "branch": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -204,6 +205,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         want[key] = int(value) if key in ("imma", "immag") else value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
+    runner._impl.use_branches = want["branch"]
     _native._testing.gpu_set_matvec_mma(want["mma"])
     _native._testing.gpu_set_matvec_fuse(want["fuse"])
     _native._testing.gpu_set_matvec_persistent(want["persist"])
