@@ -26,33 +26,39 @@ pytestmark = pytest.mark.gpu
 
 @pytest.fixture
 def planes_switch():
-    """Set the switch inside a test; back on (the default) after it."""
+    """Set the switch inside a test; back on (the default) after it, the tensor-core thresholds too."""
     yield T.gpu_set_planes_fused
     T.gpu_set_planes_fused(True)
+    T.gpu_set_matvec_imma_grouped(-1)
 
 
 @pytest.fixture(scope="module")
 def tiny_gpu(tmp_path_factory):
-    """The tiny preset (Q8_0 attention, shared expert and LM head; Q4_K routed gate/up) on the GPU."""
+    """The tiny preset with Q4_K routed experts (gate, up and down: DS4 GGUFs' types) on the GPU; Q8_0
+    attention, shared expert and LM head."""
     from ds4_app.engine.presets import tiny
     from ds4_app.engine.synth import synthesize
     from ds4_app.engine.gguf_file import ModelFile
     from tests.gpu.test_gpu_engine import gpu_engine
 
     path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    synthesize(tiny(), path, seed=5)
+    synthesize(tiny(), path, seed=5, types={"exps_down": "Q4_K"})
     mf = ModelFile.open(path)
-    return mf, gpu_engine(mf, max_slots=2, max_rows=16)
+    return mf, gpu_engine(mf, max_slots=2, max_rows=80)
 
 
 def cases(mf):
-    """Two prompts packed 7 and 5 rows a step; two sequences one row a step (decode)."""
+    """Two prompts packed 7 and 5 rows a step; two sequences one row a step (decode); two prompts
+    packed 40 and 30 rows a step (140 pairs: with the grouped tensor-core threshold at 1 the gate/up
+    pair declines, and the routed SwiGLU writes the down product's planes)."""
     from tests.engine_cases import Seq, prompt
 
     return {"packed": [Seq(prompt(mf, 3, 30), slot=0, pages=[1, 2], rows=7),
                        Seq(prompt(mf, 4, 21), slot=1, pages=[3, 5], rows=5)],
             "decode": [Seq(prompt(mf, 6, 9), slot=0, pages=[1, 2], rows=1),
-                       Seq(prompt(mf, 7, 6), slot=1, pages=[3, 5], rows=1)]}
+                       Seq(prompt(mf, 7, 6), slot=1, pages=[3, 5], rows=1)],
+            "wide": [Seq(prompt(mf, 8, 90), slot=0, pages=[1, 3], rows=40),
+                     Seq(prompt(mf, 9, 70), slot=1, pages=[4, 6], rows=30)]}
 
 
 def run_under(gpu, seqs, graphs: bool, planes: bool, branches: bool):
@@ -83,13 +89,14 @@ def test_switches_read_back(planes_switch, tiny_gpu) -> None:
     assert gpu.use_branches is True
 
 
-@pytest.mark.parametrize("name", ["packed", "decode"])
+@pytest.mark.parametrize("name", ["packed", "decode", "wide"])
 def test_producer_planes_and_branches_keep_the_bits(planes_switch, tiny_gpu, name) -> None:
     """Every setting's logits equal the reference's (no producer planes, no branches, eager). Eager,
     the producer planes save at least 5 prep launches a layer and one for the head each step: u's
     products in both sites (three preps), q_lat's and the shared SwiGLU's output's, and head_in's."""
     mf, gpu = tiny_gpu
     seqs = cases(mf)[name]
+    T.gpu_set_matvec_imma_grouped(1 if name == "wide" else -1)
     steps = max(-(-len(s.tokens) // s.rows) for s in seqs)
     ref, ref_preps = run_under(gpu, seqs, graphs=False, planes=False, branches=False)
     for graphs in (False, True):
