@@ -190,7 +190,8 @@ struct GpuEngine::Impl {
   int64_t x_planes_bytes = 0;
   // Producer-built planes (matvec_fused.h planes_fused): the producers of u (mHC pre) and of one
   // other X at a time (q_lat's norm, the shared SwiGLU, hc_head) write its planes here, beside the
-  // prep kernel's space; `given` names them to the products of that X while they hold its values.
+  // prep kernel's space (the attention combine and the routed SwiGLU write theirs into that space);
+  // `given` names them to the products of that X while they hold its values.
   uint8_t *planes_u, *planes_b;
   bool fused_planes = false;  // planes_fused() with the integer products on, at this step's launch
   GivenPlanes given[kGivenPlanesMax];
@@ -842,17 +843,22 @@ void GpuEngine::Impl::attention_layer(int l) {
   at.inv_freq = freqs(l);
   at.max_keys = max_keys;
   at.part = attn_part;
-  attention_paged(at, lanes, n, stream);
-  ring_store(ring, kv16, n, static_cast<int>(hd), lanes, stream);
-
   // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
   // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
-  // The G groups run as one batched launch (each group's rows as its own launch computes them).
+  // The G groups run as one batched launch (each group's rows as its own launch computes them),
+  // their planes written by the attention's combine into the prep space.
   const int64_t G = cfg.o_groups, ol = cfg.o_lora_rank, gw = nh / G * hd;
+  at.planes = planes_out(x_planes);
+  at.planes_ld = planes_ld(gw);
+  at.heads_per_member = static_cast<int>(nh / G);
+  attention_paged(at, lanes, n, stream);
+  if (fused_planes) given[1] = GivenPlanes{attn_out, nh * hd, gw, n, x_planes, planes_ld(gw), gw, static_cast<int>(G)};
+  ring_store(ring, kv16, n, static_cast<int>(hd), lanes, stream);
   TensorView part = L.wo_a;
   part.ne[1] = ol;
   matvec_batched(part, static_cast<int>(G), ol * L.wo_a.row_bytes(), attn_out, gw, n, nh * hd, o_low, ol, G * ol,
                  stream, tall, staged_min(), scratch());
+  drop_planes(1);
   mv(L.wo_b, o_low, n, G * ol, y, d);
   // The FFN prologue (mHC post and pre, router, routing, parts) is latency-bound; its two small
   // products and then the shared expert follow it.
@@ -910,9 +916,8 @@ void GpuEngine::Impl::ffn_layer(int l) {
   } else if (!logit_lanes.empty()) {
     prefetch_window(kPrefetchHead, cfg.n_layer, {&dw.hc_head.fn, &dw.output});
   }
-  join_side();  // the combine reads the shared expert's output
-  moe_combine(ex_down, sel_w, shared ? sh_down : nullptr, n, K, d, y, stream);
-  hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
+  join_side();  // the MoE combine (in hc_post_moe) reads the shared expert's output
+  hc_post_moe(x_hc, n, cfg.hc_mult, d, ex_down, sel_w, shared ? sh_down : nullptr, K, post_buf, comb_buf, stream);
 }
 
 void GpuEngine::Impl::head() {

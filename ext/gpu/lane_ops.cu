@@ -10,7 +10,9 @@
 //                    (8 hc d, the second from L2), u out (4 d). (Before: one block of 256 threads
 //                    ran rho, Sinkhorn, u in series, then a separate rms_norm: 14 + 3 us.)
 // hc_post            grid (d/256, n), one element a thread; comb and post in shared. Bytes: 8 hc d +
-//                    4 d. (One block a lane left it latency-bound: 22 us a call.)
+//                    4 d. (One block a lane left it latency-bound: 22 us a call.) After the FFN
+//                    (hc_post_moe) y is the MoE combine, computed in place of reading it: one
+//                    launch fewer a layer.
 // hc_head            grid (1, n_out), hc_mix_kernel's block 0 without Sinkhorn, output_norm fused.
 // q_heads            grid n * n_head, 256 threads: RMSNorm then RoPE on one head, in place.
 // kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
@@ -20,8 +22,8 @@
 //                    strict arg-max over them (ties to the lower id), weights in selection order.
 //                    Bytes: 4 E per lane. (Scoring every expert in every pass: 8 us a call.)
 // swiglu             grid-stride over rows x width. Bytes: 12 per element.
-// moe_combine        grid (d/256, n), one element a thread: weighted expert sum in selection order,
-//                    plus the shared expert.
+// moe_value          (no launch of its own) the MoE output, hc_post_moe's y: the weighted expert sum
+//                    in selection order, plus the shared expert.
 #include <algorithm>
 #include <string>
 
@@ -195,11 +197,33 @@ __global__ void __launch_bounds__(kWideThreads)
   }
 }
 
+// The MoE output of lane i's element x (spec §5): the routed experts' outputs D (k_used rows of d a
+// lane) weighted by w and summed in selection order, each weighted output rounded as the CPU stores
+// it, plus the shared expert's SH (null: none).
+struct MoeSum {
+  const float* D = nullptr;
+  const float* w = nullptr;
+  const float* SH = nullptr;
+  int k_used = 0;
+};
+
+__device__ __forceinline__ float moe_value(const MoeSum& m, int64_t d, int i, int64_t x) {
+  const float* wi = m.w + static_cast<int64_t>(i) * m.k_used;
+  const float* di = m.D + static_cast<int64_t>(i) * m.k_used * d;
+  float acc = wi[0] * di[x];
+  for (int k = 1; k < m.k_used; ++k) {
+    const float t = wi[k] * di[k * d + x];
+    acc += t;
+  }
+  return m.SH ? acc + m.SH[static_cast<int64_t>(i) * d + x] : acc;
+}
+
 // HC > 0: hc_mult known at compile time (the streams stay in registers); 0: hc is a run-time value.
+// moe.D given: y is moe_value (after the FFN), else Y's row (after the attention).
 template <int HC>
 __global__ void __launch_bounds__(kRowThreads)
     hc_post_kernel(float* __restrict__ X, int hc_rt, int64_t d, const float* __restrict__ Y,
-                   const float* __restrict__ post, const float* __restrict__ comb) {
+                   const float* __restrict__ post, const float* __restrict__ comb, const MoeSum moe) {
   ds4_grid_begin();
   const int hc = HC > 0 ? HC : hc_rt;
   __shared__ float post_s[kMaxHcDev];
@@ -211,7 +235,7 @@ __global__ void __launch_bounds__(kRowThreads)
   const int64_t e = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
   if (e >= d) return;
   float* x = X + static_cast<int64_t>(i) * hc * d;
-  const float ye = Y[static_cast<int64_t>(i) * d + e];
+  const float ye = moe.D != nullptr ? moe_value(moe, d, i, e) : Y[static_cast<int64_t>(i) * d + e];
   float old[HC > 0 ? HC : kMaxHcDev];
 #pragma unroll
   for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
@@ -397,24 +421,6 @@ __global__ void swiglu_planes_kernel(float* __restrict__ G, const float* __restr
   }
 }
 
-__global__ void __launch_bounds__(kRowThreads)
-    moe_combine_kernel(const float* __restrict__ D, const float* __restrict__ w, const float* __restrict__ SH,
-                       int k_used, int64_t d, float* __restrict__ Y) {
-  ds4_grid_begin();
-  const int i = static_cast<int>(blockIdx.y);
-  const float* wi = w + static_cast<int64_t>(i) * k_used;
-  const float* di = D + static_cast<int64_t>(i) * k_used * d;
-  float* y = Y + static_cast<int64_t>(i) * d;
-  const int64_t x = static_cast<int64_t>(blockIdx.x) * kRowThreads + threadIdx.x;
-  if (x >= d) return;
-  float acc = wi[0] * di[x];
-  for (int k = 1; k < k_used; ++k) {
-    const float t = wi[k] * di[k * d + x];  // each weighted output rounded, as the CPU stores it
-    acc += t;
-  }
-  y[x] = SH ? acc + SH[static_cast<int64_t>(i) * d + x] : acc;
-}
-
 __global__ void __launch_bounds__(kRowThreads) qat_rows_kernel(float* __restrict__ X, int n, int kind) {
   ds4_grid_begin();
   extern __shared__ float row[];
@@ -492,14 +498,25 @@ void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t 
   DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (pre)");
 }
 
-void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s) {
+static void launch_hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb,
+                           const MoeSum& moe, Stream s) {
   if (n <= 0) return;
   const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
   if (hc == 4)
-    launch(hc_post_kernel<4>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb);
+    launch(hc_post_kernel<4>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb, moe);
   else
-    launch(hc_post_kernel<0>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb);
+    launch(hc_post_kernel<0>, grid, kRowThreads, 0, cs(s), X, hc, d, Y, post, comb, moe);
   DS4_GPU_CHECK_LAUNCH("hc_post_kernel");
+}
+
+void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s) {
+  launch_hc_post(X, n, hc, d, Y, post, comb, MoeSum{}, s);
+}
+
+void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float* w, const float* SH, int k,
+                 const float* post, const float* comb, Stream s) {
+  if (k < 1) throw std::invalid_argument("GPU hc_post_moe: need n_expert_used >= 1");
+  launch_hc_post(X, n, hc, d, nullptr, post, comb, MoeSum{D, w, SH, k}, s);
 }
 
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
@@ -571,11 +588,5 @@ void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, 
   DS4_GPU_CHECK_LAUNCH("swiglu_kernel");
 }
 
-void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s) {
-  if (n <= 0) return;
-  const dim3 grid(static_cast<unsigned>((d + kRowThreads - 1) / kRowThreads), static_cast<unsigned>(n));
-  launch(moe_combine_kernel, grid, kRowThreads, 0, cs(s), D, w, SH, k, d, Y);
-  DS4_GPU_CHECK_LAUNCH("moe_combine_kernel");
-}
 
 }  // namespace ds4::gpu

@@ -920,13 +920,13 @@ PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int nc
                            const MatvecScratch& scratch, cudaStream_t stream) {
   PlanesLease lease;
   lease.stream = stream;
-  if (n_batch == 1) {
-    for (const GivenPlanes& g : scratch.given) {
-      if (g.x != nullptr && g.x == X && g.ldx == ldx && g.k == K && ncols <= g.cols) {
-        lease.data = g.data;
-        lease.ldp = g.ldp;
-        return lease;
-      }
+  for (const GivenPlanes& g : scratch.given) {
+    const bool shape = n_batch == 1 ? g.n_batch == 1 && ncols <= g.cols
+                                    : g.n_batch == n_batch && g.x_member == x_member && ncols == g.cols;
+    if (g.x != nullptr && g.x == X && g.ldx == ldx && g.k == K && shape) {
+      lease.data = g.data;
+      lease.ldp = g.ldp;
+      return lease;
     }
   }
   const int64_t units = K / 32;

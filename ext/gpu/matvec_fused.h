@@ -56,6 +56,11 @@ struct GivenPlanes {
   int64_t ldx = 0, k = 0, cols = 0;
   const uint8_t* data = nullptr;  // column c's planes at data + c * ldp
   int64_t ldp = 0;
+  // n_batch > 1: the members of a batched product (matvec_batched), member i's column c of X at
+  // x + i * x_member + c * ldx, its planes at data + (i * cols + c) * ldp; they serve a call of
+  // exactly that shape.
+  int64_t x_member = 0;
+  int n_batch = 1;
 };
 constexpr int kGivenPlanesMax = 2;
 struct MatvecScratch {
@@ -83,9 +88,9 @@ bool matvec_mma();
 // matvec_settings_key); each setting is exact and batch-invariant on its own. Process-wide.
 void set_matvec_int8(bool on);
 bool matvec_int8();
-// Producer-built planes: the engine's RMSNorm of q_lat, mHC pre, shared SwiGLU and hc_head write
-// the planes of their output beside it (MatvecScratch::given), so the products of that output
-// launch no prep; the same bytes, so the same bits. On unless DS4_GPU_PLANES_FUSED=0 or
+// Producer-built planes: the engine's mHC pre, RMSNorm of q_lat, attention combine, SwiGLUs and
+// hc_head write the planes of their output beside it (MatvecScratch::given), so the products of
+// that output launch no prep; the same bytes, so the same bits. On unless DS4_GPU_PLANES_FUSED=0 or
 // set_planes_fused(false); process-wide, read when the engine launches a step (its graphs are keyed
 // by it).
 void set_planes_fused(bool on);

@@ -37,6 +37,7 @@
 #include "launch.cuh"
 #include "rowops.cuh"
 #include "step_ops.h"
+#include "xplanes.cuh"
 
 namespace ds4::gpu {
 
@@ -483,6 +484,13 @@ __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(
   attn_combine_head(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
                     attn_splits(k.n), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc, rs,
                     a.out + head * a.head_dim);
+  if (a.planes != nullptr) {  // the head's piece of its member's column
+    __syncthreads();
+    const int member = h / a.heads_per_member, piece = h % a.heads_per_member;
+    uint8_t* P = a.planes + (static_cast<int64_t>(member) * gridDim.y + li) * a.planes_ld +
+                 static_cast<int64_t>(piece) * (a.head_dim / 32) * kPlaneBytes;
+    unit_planes_of_row(a.out + head * a.head_dim, a.head_dim, P);
+  }
 }
 
 // The device's opt-in shared memory per block, read once.
@@ -615,6 +623,9 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
     throw std::invalid_argument("GPU attention: head_dim must be a multiple of 8, at most 512");
   if (a_in.rope_dim / 2 > kAttnMaxRopeHalf) throw std::invalid_argument("GPU attention: rope_dim above 512");
   if (a_in.part == nullptr) throw std::invalid_argument("GPU attention: no split scratch (AttentionLaunch::part)");
+  if (a_in.planes != nullptr &&
+      (a_in.head_dim % 32 != 0 || a_in.heads_per_member < 1 || a_in.n_head % a_in.heads_per_member != 0))
+    throw std::invalid_argument("GPU attention: planes need head_dim % 32 == 0 and whole heads a member");
   if (attn_dyn_limit[1] == 0) attention_prepare();  // outside a capture: engines prepare at construction
   AttentionLaunch a = a_in;
   a.part_stats = a.part + static_cast<int64_t>(n) * a.n_head * kAttnMaxSplits * a.head_dim;

@@ -48,6 +48,11 @@ void hc_pre(const float* X, int n, int hc, int64_t d, const float* mix, int64_t 
 // mHC post (spec §3.2) in place: X[k] = post_k y + sum_j comb[j][k] X[j].
 void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* post, const float* comb, Stream s);
 
+// hc_post after the FFN with y the MoE output, computed in the same kernel: y[i] = sum_k w[i][k] *
+// D[i*K + k] (in selection order, each product rounded) + SH[i] (SH may be null).
+void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float* w, const float* SH, int k,
+                 const float* post, const float* comb, Stream s);
+
 // hc_head (spec §3.3) for the lanes lanes[0..n_out): out[j] = sum_i w_i X[lanes[j]][i], then (norm_w
 // given) the output RMSNorm in place as in hc_pre.
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,
@@ -80,8 +85,6 @@ void route(const float* logits, int n, int n_expert, int k, bool hash, const int
 void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, Stream s, uint8_t* planes = nullptr,
             int64_t ldp = 0);
 
-// Y[i] = sum_k w[i][k] * D[i*K + k] (in selection order) + SH[i] (SH may be null).
-void moe_combine(const float* D, const float* w, const float* SH, int n, int k, int64_t d, float* Y, Stream s);
 
 // --- paged_ops.cu ------------------------------------------------------------------------------
 
@@ -136,6 +139,12 @@ struct AttentionLaunch {
   int max_keys = 0;               // bound on any lane's key count this step (sizes shared memory and the grid)
   float* part = nullptr;          // split scratch, attention_part_floats(n, n_head, head_dim) floats
   float* part_stats = nullptr;    // set by attention_paged (inside part)
+  // Planes of out for the grouped output projection's integer products (xplanes.cuh; null: none):
+  // head h of lane i is a piece of member h / heads_per_member's column i, the columns of all lanes
+  // member by member, planes_ld bytes apart (matvec_batched's layout). head_dim % 32 == 0.
+  uint8_t* planes = nullptr;
+  int64_t planes_ld = 0;
+  int heads_per_member = 0;
 };
 // Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
 // key count only), then a second kernel merges the splits per (lane, head) in a fixed order.

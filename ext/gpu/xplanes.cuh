@@ -315,7 +315,7 @@ struct PlanesLease {
 };
 
 // The planes of n_batch x ncols columns of K elements (member i's column c at X + i * x_member + c *
-// ldx): the given planes of X where scratch names them (one member, the same ldx and K), else the
+// ldx): the given planes of X where scratch names them (the same X, ldx, K and shape), else the
 // prep kernel's, into scratch's planes space when it has room.
 PlanesLease prepare_planes(const float* X, int64_t ldx, int64_t x_member, int ncols, int n_batch, int64_t K,
                            const MatvecScratch& scratch, cudaStream_t stream);
