@@ -377,6 +377,21 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
     }
   };
 
+  // apply's float branch with the unit's activations already loaded (xv[c][g]: column c's group g):
+  // the same fmas in the same order.
+  auto apply_x = [&](const typename U::Raw (&raw)[R], const float4 (&xv)[NC][U::kGroups]) {
+#pragma unroll
+    for (int g = 0; g < U::kGroups; ++g) {
+      float w[R][4];
+#pragma unroll
+      for (int r = 0; r < R; ++r) U::decode(raw[r], g, w[r]);
+#pragma unroll
+      for (int c = 0; c < NC; ++c)
+#pragma unroll
+        for (int r = 0; r < R; ++r) acc[r][c] = fma4(w[r], xv[c][g], acc[r][c]);
+    }
+  };
+
   auto zero = [&] {
 #pragma unroll
     for (int r = 0; r < R; ++r)
@@ -494,10 +509,13 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
   // row a warp (the short variant: few rows, long K, so a lane walks many units of one row)
   // F16/BF16 take 8 (F32, twice the bytes a unit: 4), fewer as the columns' accumulators take
   // the registers (ptxas: no spills up to 8 columns). (Pass 10 tried 16 at 1-2 columns: the mHC
-  // projection stayed at 9.9 us; the X loads inside each unit's fmas are what wait.)
-  constexpr int kShortAhead = (T == kF32 ? 4 : 8) / (NC <= 2 ? 1 : NC <= 8 ? 2 : 4);
-  constexpr int A = (R == 1 && (T == kF16 || T == kBF16 || T == kF32)) ? (kShortAhead > 1 ? kShortAhead : 1)
-                    : (T == kF16 || T == kBF16) ? 2 : 1;
+  // projection stayed at 9.9 us; the X loads inside each unit's fmas are what wait.) So with one
+  // row a warp and one or two columns (kXAhead) the A units' activations are loaded too before the
+  // first fma, A halved at two columns for their registers (pass 12).
+  constexpr bool kFloatShort = R == 1 && (T == kF16 || T == kBF16 || T == kF32);
+  constexpr bool kXAhead = kFloatShort && NC <= 2 && !XLoad::kPlanes;
+  constexpr int kShortAhead = kXAhead ? (T == kF32 ? 4 : 6) / NC : (T == kF32 ? 4 : 8) / (NC <= 2 ? 1 : NC <= 8 ? 2 : 4);
+  constexpr int A = kFloatShort ? (kShortAhead > 1 ? kShortAhead : 1) : (T == kF16 || T == kBF16) ? 2 : 1;
   ds4_grid_begin();
   for (int64_t b = b0; b < b_end; b += b_step) {
     zero();
@@ -513,9 +531,25 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
           for (int r = 0; r < R; ++r) U::load(raw[a][r], rowp[r], u + a * stride);
         }
       }
+      if constexpr (kXAhead) {
+        float4 xv[A][NC][U::kGroups];
 #pragma unroll
-      for (int a = 0; a < A; ++a)
-        if (a == 0 || u + a * stride < units) apply(raw[a], u + a * stride);
+        for (int a = 0; a < A; ++a) {
+          if (a == 0 || u + a * stride < units) {
+#pragma unroll
+            for (int c = 0; c < NC; ++c)
+#pragma unroll
+              for (int g = 0; g < U::kGroups; ++g) xv[a][c][g] = xload(c, U::k_of(u + a * stride, g));
+          }
+        }
+#pragma unroll
+        for (int a = 0; a < A; ++a)
+          if (a == 0 || u + a * stride < units) apply_x(raw[a], xv[a]);
+      } else {
+#pragma unroll
+        for (int a = 0; a < A; ++a)
+          if (a == 0 || u + a * stride < units) apply(raw[a], u + a * stride);
+      }
     }
     finish(b);
   }

@@ -76,9 +76,11 @@ def test_matmul_agrees_with_cpu(t: int) -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("t", TYPES, ids=[NAMES[t] for t in TYPES])
-def test_matmul_columns_bit_identical_to_single_column(t: int) -> None:
+@pytest.mark.parametrize("ne0, ne1", [(4096, 300), (16384, 24)], ids=["rows", "mhc"])
+def test_matmul_columns_bit_identical_to_single_column(t: int, ne0: int, ne1: int) -> None:
+    """4 k-slices, so the cross-warp tree is exercised too; the mHC projections' shape (few rows,
+    long K: one row a warp, and at 1-2 columns the float types load the activations ahead)."""
     rng = np.random.default_rng()
-    ne0, ne1 = 4096, 300  # 4 k-slices: the cross-warp tree is exercised too
     raw = tame_raw(t, ne0 * ne1, rng)
     x = rng.standard_normal((16, ne0)).astype(np.float32)
     single = np.concatenate([T.gpu_matmul(t, raw, ne0, ne1, x[c : c + 1]) for c in range(16)])
