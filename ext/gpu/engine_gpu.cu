@@ -1,5 +1,6 @@
 // The DS4 step executor on a GPU (engine_gpu.h): device weights, device paged state, and the
-// step as a chain of kernels on one stream. Host code only; the kernels are matvec.cu (weight
+// step as a chain of kernels on one stream (each layer's KV side and shared expert on a second
+// stream beside it: on_side / join_side). Host code only; the kernels are matvec.cu (weight
 // products), ops.cu (RMSNorm, embedding), lane_ops.cu and paged_ops.cu (step_ops.h).
 //
 // Per layer, as ext/engine/engine.cpp:
