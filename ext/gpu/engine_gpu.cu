@@ -317,6 +317,7 @@ struct GpuEngine::Impl {
   enum : int { kPrefetchAttnPrologue = 0, kPrefetchAttn = 1, kPrefetchFfnPrologue = 2, kPrefetchHead = 3 };
   void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors);
   void prefetch_attn_prologue(int l);
+  CompressorLaunch compressor_launch(int l, bool indexer);
   void hc_pre_site(const HcWeights& w, const float* norm);
   void attention_layer(int l);
   void ffn_layer(int l);
@@ -690,6 +691,33 @@ void GpuEngine::Impl::prefetch_attn_prologue(int l) {
                    &L.idx_comp.gate, &L.q_b, &L.idx_q_b});
 }
 
+// The compressor update of layer l's attention rows, or (indexer) of its indexer's rows, over this
+// step's lanes: its state, its input projections (kv and gate, APE added) and its page rows.
+CompressorLaunch GpuEngine::Impl::compressor_launch(int l, bool indexer) {
+  const LayerWeights& L = dw.layers[l];
+  const LayerStateLayout& LL = layout.layers[l];
+  CompressorLaunch a;
+  a.states = reinterpret_cast<float*>(states.data());
+  a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
+  a.kv_off = static_cast<int64_t>(LL.state_off) + (indexer ? 2ll * LL.attn_rows * LL.attn_width : 0);
+  a.rows = indexer ? LL.idx_rows : LL.attn_rows;
+  a.width = indexer ? LL.idx_width : LL.attn_width;
+  a.ratio = indexer ? 4 : L.ratio;
+  a.c = static_cast<int>(indexer ? cfg.index_head_dim : cfg.head_dim);
+  a.rope_dim = cfg.rope_dim;
+  a.k = indexer ? idx_kv : comp_kv;
+  a.z = indexer ? idx_sc : comp_sc;
+  a.ld = indexer ? icw : cw;
+  a.norm = indexer ? L.idx_comp.norm : L.comp.norm;
+  a.eps = cfg.norm_eps;
+  a.inv_freq = freqs(l);
+  a.qat = cfg.qat_numerics ? (indexer ? 2 : 1) : 0;
+  a.pages = reinterpret_cast<uint16_t*>(pages.data());
+  a.page_elems = static_cast<int64_t>(layout.page_elems);
+  a.row_off = static_cast<int64_t>(indexer ? LL.idx_off : LL.comp_off);
+  return a;
+}
+
 // mHC pre, then the site's RMSNorm (attn_norm / ffn_norm) fused into the same kernel: u = norm(sum pre_j X_j).
 void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
@@ -736,49 +764,11 @@ void GpuEngine::Impl::attention_layer(int l) {
     if (L.ratio > 0) {
       const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
       add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
-      CompressorLaunch a;
-      a.states = reinterpret_cast<float*>(states.data());
-      a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
-      a.kv_off = static_cast<int64_t>(LL.state_off);
-      a.rows = LL.attn_rows;
-      a.width = LL.attn_width;
-      a.ratio = L.ratio;
-      a.c = static_cast<int>(hd);
-      a.rope_dim = rd;
-      a.k = comp_kv;
-      a.z = comp_sc;
-      a.ld = cw;
-      a.norm = L.comp.norm;
-      a.eps = eps;
-      a.inv_freq = freqs(l);
-      a.qat = qat ? 1 : 0;
-      a.pages = reinterpret_cast<uint16_t*>(pages.data());
-      a.page_elems = static_cast<int64_t>(layout.page_elems);
-      a.row_off = static_cast<int64_t>(LL.comp_off);
-      compressor_update(a, lanes, n_groups, stream);
+      compressor_update(compressor_launch(l, false), lanes, n_groups, stream);
     }
     if (L.ratio == 4) {
       add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
-      CompressorLaunch a;
-      a.states = reinterpret_cast<float*>(states.data());
-      a.state_per_slot = static_cast<int64_t>(layout.state_per_slot);
-      a.kv_off = static_cast<int64_t>(LL.state_off) + 2ll * LL.attn_rows * LL.attn_width;
-      a.rows = LL.idx_rows;
-      a.width = LL.idx_width;
-      a.ratio = 4;
-      a.c = static_cast<int>(ihd);
-      a.rope_dim = rd;
-      a.k = idx_kv;
-      a.z = idx_sc;
-      a.ld = icw;
-      a.norm = L.idx_comp.norm;
-      a.eps = eps;
-      a.inv_freq = freqs(l);
-      a.qat = qat ? 2 : 0;
-      a.pages = reinterpret_cast<uint16_t*>(pages.data());
-      a.page_elems = static_cast<int64_t>(layout.page_elems);
-      a.row_off = static_cast<int64_t>(LL.idx_off);
-      compressor_update(a, lanes, n_groups, stream);
+      compressor_update(compressor_launch(l, true), lanes, n_groups, stream);
     }
   });
   rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream, planes_out(planes_b), planes_ld(ql));
