@@ -1017,30 +1017,18 @@ __device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const fl
   }
 }
 
-// Column c's planes of the lane's halves (xplanes.cuh): rec is its record of the X unit under the
-// lane's low nibbles (the high nibbles' is the next record), h the lane's half.
-__device__ __forceinline__ void grouped_own_load_planes(const uint8_t* rec, int h, HalfPlanes& lo, HalfPlanes& hi) {
-  load_half_planes<true>(rec, h, lo);
-  load_half_planes<true>(rec + kPlaneBytes, h, hi);
-}
-
-// The integer form of grouped_own_apply, column c's planes lo[c], hi[c] already loaded (AHEAD: all
-// NC columns before the pass's weights are waited for) or loaded here from rec[c].
-template <int R, int NC, bool AHEAD>
+// The integer form of grouped_own_apply (xplanes.cuh): rec[c] is column c's planes record of the X
+// unit under the lane's low nibbles (the high nibbles' is the next record), h the lane's half.
+template <int R, int NC>
 __device__ __forceinline__ void grouped_own_apply_planes(const uint4 (&qs)[R], const float (&dl0)[R],
                                                          const float (&ml0)[R], const float (&dl1)[R],
                                                          const float (&ml1)[R], const uint8_t* const (&rec)[NC], int h,
-                                                         HalfPlanes (&lo_in)[NC], HalfPlanes (&hi_in)[NC],
                                                          float (&acc)[R][NC]) {
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     HalfPlanes lo, hi;
-    if constexpr (AHEAD) {
-      lo = lo_in[c];
-      hi = hi_in[c];
-    } else {
-      grouped_own_load_planes(rec[c], h, lo, hi);
-    }
+    load_half_planes<true>(rec[c], h, lo);
+    load_half_planes<true>(rec[c] + kPlaneBytes, h, hi);
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint32_t wq[4] = {qs[r].x, qs[r].y, qs[r].z, qs[r].w};
@@ -1071,10 +1059,8 @@ struct GroupedStore {
 // R/2 (R = grouped_own_rows_nc(NC) row slots); buf: this warp's stages x R chunks. Row slot r
 // holds row r0 + r of We, or (kPair, r >= H) row r0 + r - H of We2: a slot's arithmetic is the
 // same whichever matrix it reads, so every sum has the bits of the one-product body.
-// PL: the integer products, X's planes (xplanes.cuh) at planes + (X row) * ldp. AHEAD (kernels of at
-// most two columns: wider ones have no registers to spare): each pass's planes are loaded before its
-// weights are waited for.
-template <int NC, int KS, bool FAST, class Store, bool PL, bool AHEAD>
+// PL: the integer products, X's planes (xplanes.cuh) at planes + (X row) * ldp.
+template <int NC, int KS, bool FAST, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, const uint8_t* __restrict__ We2,
                                                  int64_t row_bytes, int rows, int r0, int units,
                                                  const int32_t* __restrict__ pairs, const int32_t* __restrict__ x_row,
@@ -1145,28 +1131,12 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
     for (int s = 0; s < KS; ++s) {
       const int q = q0 + s;
       if (q < passes) {
-        // The pass's planes (from L2) loaded before its weights are waited for, so the two
-        // latencies overlap (the same values, the same arithmetic).
-        constexpr bool kPlanesAhead = PL && AHEAD;
-        const bool live = lane < units - q * DS4_WARP;
-        const uint8_t* rq[NC];  // PL: column c's record of the lane's low nibbles in pass q
-        HalfPlanes lo[NC], hi[NC];
-        if constexpr (PL) {
-#pragma unroll
-          for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
-          if constexpr (kPlanesAhead) {
-            if (live) {
-#pragma unroll
-              for (int c = 0; c < NC; ++c) grouped_own_load_planes(rq[c], lane & 1, lo[c], hi[c]);
-            }
-          }
-        }
         int st_issue = st + stages - 1;  // pass q + stages - 1 goes where pass q - 1 was
         if (st_issue >= stages) st_issue -= stages;
         issue(q + stages - 1, st_issue);
         grouped_own_wait(stages);
         ds4_syncwarp();
-        if (live) {
+        if (lane < units - q * DS4_WARP) {
           const uint8_t* chunk = buf + st * R * CB;
           uint4 qs[R];
           float dl0[R], a0[R], dl1[R], a1[R];  // two-fma form: dl, -ml
@@ -1188,10 +1158,13 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
             }
           }
           if constexpr (PL) {
+            const uint8_t* rq[NC];
             float ml0[R], ml1[R];
 #pragma unroll
+            for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
+#pragma unroll
             for (int r = 0; r < R; ++r) ml0[r] = -a0[r], ml1[r] = -a1[r];
-            grouped_own_apply_planes<R, NC, kPlanesAhead>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, lo, hi, acc[s]);
+            grouped_own_apply_planes<R, NC>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, acc[s]);
           } else {
             const float* xq[NC];
 #pragma unroll
@@ -1234,7 +1207,7 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
 // (R the body's rows per warp), so every width covers the same rows with the same blocks. A slot
 // is a row (one product) or, Store::kPair, half a row of each product: a block then covers
 // RM * 2 rows of both.
-template <int NC, int KS, bool FAST, int RM, class Store, bool PL, bool AHEAD>
+template <int NC, int KS, bool FAST, int RM, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const uint8_t* We2, int64_t row_bytes,
                                                int rows, int units, const int32_t* pairs, const int32_t* x_row,
                                                const float* X, int64_t ldx, const Store& store, int64_t ldy,
@@ -1249,12 +1222,12 @@ __device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const 
     for (int g = 0; g < RM / R; ++g) {
       const int r0 = b0 + (g * kMatvecWarps + warp) * H;
       if (r0 >= rows) break;  // no barrier follows: no other warp waits for this one
-      grouped_own_part<NC, KS, FAST, Store, PL, AHEAD>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx,
-                                                       store, ldy, buf, stages, planes, ldp);
+      grouped_own_part<NC, KS, FAST, Store, PL>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx, store, ldy,
+                                                buf, stages, planes, ldp);
     }
   } else if constexpr (NC > 1) {
-    grouped_own_nc<NC - 1, KS, FAST, RM, Store, PL, AHEAD>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx,
-                                                           store, ldy, buf, stages, planes, ldp);
+    grouped_own_nc<NC - 1, KS, FAST, RM, Store, PL>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx, store,
+                                                    ldy, buf, stages, planes, ldp);
   }
 }
 
@@ -1291,9 +1264,9 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
   const uint8_t* We2 = Store::kPair ? W2 + eoff : We;
   for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
     const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
-    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC), Store, PL, (MAXC <= 2)>(
-        nc, We, We2, row_bytes, rows, units, sorted_pairs + pt.first + c0, x_row, X, ldx, store, ldy, buf, stages,
-        planes, ldp);
+    grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC), Store, PL>(nc, We, We2, row_bytes, rows, units,
+                                                                       sorted_pairs + pt.first + c0, x_row, X, ldx,
+                                                                       store, ldy, buf, stages, planes, ldp);
   }
 }
 
