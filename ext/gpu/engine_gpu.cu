@@ -254,11 +254,14 @@ struct GpuEngine::Impl {
   }
   // Where a producer of X writes X's planes (buf: planes_u, planes_b or the prep space), null with
   // the producer-built planes off; then give_planes names them to X's products (rows of k
-  // elements), and drop_planes(slot) ends that before anything rewrites X or buf.
+  // elements, ldx apart: k unless given; n_batch > 1: the members of a batched product, k apart in
+  // a row), and drop_planes(slot) ends that before anything rewrites X or buf.
   uint8_t* planes_out(uint8_t* buf) const { return fused_planes ? buf : nullptr; }
   static int64_t planes_ld(int64_t k) { return static_cast<int64_t>(matvec_planes_bytes(k, 1)); }
-  void give_planes(int slot, const float* X, int64_t k, int rows, const uint8_t* buf) {
-    if (fused_planes) given[slot] = GivenPlanes{X, k, k, rows, buf, planes_ld(k)};
+  void give_planes(int slot, const float* X, int64_t k, int rows, const uint8_t* buf, int64_t ldx = 0,
+                   int n_batch = 1) {
+    if (fused_planes)
+      given[slot] = GivenPlanes{X, ldx > 0 ? ldx : k, k, rows, buf, planes_ld(k), n_batch > 1 ? k : 0, n_batch};
   }
   void drop_planes(int slot) { given[slot] = GivenPlanes{}; }
   // Launches f's kernels on the side stream, after everything launched so far; join_side() makes
@@ -843,7 +846,7 @@ void GpuEngine::Impl::attention_layer(int l) {
   at.planes_ld = planes_ld(gw);
   at.heads_per_member = static_cast<int>(nh / G);
   attention_paged(at, lanes, n, stream);
-  if (fused_planes) given[1] = GivenPlanes{attn_out, nh * hd, gw, n, x_planes, planes_ld(gw), gw, static_cast<int>(G)};
+  give_planes(1, attn_out, gw, n, x_planes, nh * hd, static_cast<int>(G));
   ring_store(ring, kv16, n, static_cast<int>(hd), lanes, stream);
   TensorView part = L.wo_a;
   part.ne[1] = ol;

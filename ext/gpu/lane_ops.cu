@@ -588,5 +588,4 @@ void swiglu(float* G, const float* U, int64_t rows, int64_t width, float limit, 
   DS4_GPU_CHECK_LAUNCH("swiglu_kernel");
 }
 
-
 }  // namespace ds4::gpu

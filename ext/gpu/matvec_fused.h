@@ -48,9 +48,10 @@ struct MatvecProduct {
 // order, so one buffer serves every product of a stream; 16-byte aligned; empty is allowed.
 // planes: the integer Q8_0 products' planes of X (xplanes.cuh), matvec_planes_bytes of the widest
 // call; a call without room makes a stream-ordered allocation of its own (the same bits).
-// given: planes a producer kernel already wrote beside its output (rms_norm, hc_pre, hc_head and
-// swiglu take a planes pointer): a call whose X is one of them reads them instead of launching the
-// prep (the same bytes). The caller names them only while they hold X's current values.
+// given: planes a producer kernel already wrote beside its output (rms_norm, hc_pre, hc_head,
+// swiglu and attention_paged take a planes pointer): a call whose X is one of them reads them
+// instead of launching the prep (the same bytes). The caller names them only while they hold X's
+// current values.
 struct GivenPlanes {
   const float* x = nullptr;  // X: `cols` columns of k elements, ldx apart
   int64_t ldx = 0, k = 0, cols = 0;
