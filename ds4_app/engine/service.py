@@ -305,21 +305,23 @@ class EngineService:
         if not self._queue:  # an unlocked peek: a request queued just after it waits one step
             return
         while True:
+            # The slot is taken and the request leaves the queue under one lock: submit's count of
+            # waiting requests (queue minus free slots) never sees the one without the other.
             with self._lock:
                 if not self._queue:
                     return
                 r = self._queue[0]
-            try:
-                self._admit_one(r)
-            except Busy:
-                return
-            except (AdmissionError, ValueError) as e:
-                with self._lock:
-                    self._queue.popleft()
-                self._finish(r, "error", str(e))
-                continue
-            with self._lock:
+                try:
+                    self._admit_one(r)
+                    error = None
+                except Busy:
+                    return
+                except (AdmissionError, ValueError) as e:
+                    error = str(e)
                 self._queue.popleft()
+            if error is not None:
+                self._finish(r, "error", error)
+                continue
             r.t_admit = r.t_admit or time.monotonic()
             self._by_slot[r.slot] = r
             self._stats_dirty = True

@@ -100,7 +100,10 @@ def test_200_requests_leave_nothing_behind(server):
 
 @pytest.fixture(scope="module")
 def server6(tiny_model_path):
-    yield from running(ServerPreset.embedded(tiny_model_path, "--max-queue", "4"), timeout=60)
+    # A long context, so that a request held open (max_tokens 20000) does not end on its own while
+    # a test still needs it running: the tiny model fills 4096 tokens in about a second.
+    yield from running(ServerPreset.embedded(tiny_model_path, "--max-queue", "4", "--max-ctx", "32768"),
+                       timeout=60)
 
 
 def _stream_body(prompt: str, max_tokens: int) -> dict:
@@ -123,11 +126,14 @@ def test_lanes_show_six_active_while_eight_stream(server6):
     """Eight streaming clients on six slots: /v1/lanes shows six lanes running, two queued."""
     seen_running, seen_queued = 0, 0
 
+    start = threading.Barrier(8)  # the eight requests go out together
+
     def client(i: int) -> int:
-        with httpx.Client(base_url=server6.base, timeout=120) as c, \
-                c.stream("POST", "/v1/chat/completions", json=_stream_body(PROMPTS[i], 300)) as r:
-            lines = list(r.iter_lines())
-            return _completion_tokens(lines) or (r.status_code, lines[-3:])
+        with httpx.Client(base_url=server6.base, timeout=120) as c:
+            start.wait()
+            with c.stream("POST", "/v1/chat/completions", json=_stream_body(PROMPTS[i], 1000)) as r:
+                lines = list(r.iter_lines())
+                return _completion_tokens(lines) or (r.status_code, lines[-3:])
 
     with concurrent.futures.ThreadPoolExecutor(8) as pool:
         futures = [pool.submit(client, i) for i in range(8)]
@@ -135,7 +141,7 @@ def test_lanes_show_six_active_while_eight_stream(server6):
             lanes = server6.http.get("/v1/lanes").json()
             seen_running = max(seen_running, lanes["n_running"])
             seen_queued = max(seen_queued, sum(1 for lane in lanes["lanes"] if lane["state"] == "queued"))
-        assert [f.result() for f in futures] == [300] * 8
+        assert [f.result() for f in futures] == [1000] * 8
     assert seen_running == 6
     assert seen_queued >= 1
 
@@ -176,15 +182,17 @@ def test_disconnect_after_five_tokens_frees_the_lane(server6):
 def test_queue_full_gives_503_on_the_real_engine(server6):
     """Six slots busy and four requests waiting: the next one gets 503 with Retry-After."""
     stop = threading.Event()
+    start = threading.Barrier(10)  # the ten requests go out together, not one client set-up apart
 
     def hold(i: int) -> None:
-        with httpx.Client(base_url=server6.base, timeout=120) as c, \
-                c.stream("POST", "/v1/chat/completions", json=_stream_body(f"hold {i}", 20000)) as r:
-            if r.status_code != 200:
-                return (r.status_code, r.read())
-            for _ in r.iter_lines():
-                if stop.is_set():
-                    return
+        with httpx.Client(base_url=server6.base, timeout=120) as c:
+            start.wait()
+            with c.stream("POST", "/v1/chat/completions", json=_stream_body(f"hold {i}", 20000)) as r:
+                if r.status_code != 200:
+                    return (r.status_code, r.read())
+                for _ in r.iter_lines():
+                    if stop.is_set():
+                        return
 
     with concurrent.futures.ThreadPoolExecutor(10) as pool:
         futures = [pool.submit(hold, i) for i in range(10)]
