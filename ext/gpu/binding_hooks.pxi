@@ -52,6 +52,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     cbool gpu_set_matvec_int8 "ds4::gpu::testing::set_matvec_int8"(cbool on) except +
     int gpu_set_matvec_imma "ds4::gpu::testing::set_matvec_imma"(int min_cols) except +
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
+    int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -265,6 +266,16 @@ def _t_gpu_set_matvec_imma_grouped(int min_pairs):
     return int(gpu_set_matvec_imma_grouped(min_pairs))
 
 
+def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead):
+    """The tensor-core Q8_0 kernel's narrow tile (calls of at most 8 columns): the fewest rows (times
+    batch members) such a call needs to take it (-1: back to DS4_GPU_MV_IMMA_NARROW_ROWS=N or the
+    default, 0: any), and whether it loads its planes a chunk ahead (0/1; -1: back to
+    DS4_GPU_MV_IMMA_AHEAD or the default, on), process-wide. The bits never depend on either.
+    Returns (min_rows, ahead) now."""
+    v = int(gpu_set_matvec_imma_narrow(min_rows, ahead))
+    return v // 2, bool(v % 2)
+
+
 def _t_gpu_imma_launches():
     """Launches of the integer tensor-core kernel so far in this process."""
     return int(gpu_imma_launches())
@@ -433,6 +444,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_int8=_t_gpu_set_matvec_int8,
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
+    gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

@@ -26,6 +26,13 @@ void set_matvec_imma(int min_cols);
 int matvec_imma();
 void set_matvec_imma_grouped(int min_pairs_per_expert);
 int matvec_imma_grouped();
+// The narrow tile (calls of at most 8 columns, decode widths): the fewest rows (times members) such
+// a call must have to take the tensor cores (DS4_GPU_MV_IMMA_NARROW_ROWS=N, default 0: any), and
+// whether its planes are loaded a chunk ahead (DS4_GPU_MV_IMMA_AHEAD=0/1, default 1). -1 in the
+// setter: back to the environment's value or the default. The same bits either way; graph key.
+void set_matvec_imma_narrow(int min_rows, int ahead);
+int matvec_imma_narrow_rows();
+bool matvec_imma_ahead();
 
 // Counts a launch of either kernel (testing::imma_launches).
 void imma_count_launch();

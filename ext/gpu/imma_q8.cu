@@ -60,6 +60,8 @@ namespace {
 
 std::atomic<int> g_imma{-1};          // -1: not read from the environment yet
 std::atomic<int> g_imma_grouped{-1};  // the same for the grouped threshold
+std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1: environment)
+std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -100,7 +102,18 @@ __device__ __forceinline__ void unit_q(const uint8_t* unit, int t, uint32_t* lo,
   *d_256 = half_bits_to_float(*reinterpret_cast<const unsigned short*>(unit)) * 0.00390625f;
 }
 
-template <int MT, int NT>
+// One unit's B operand for one n-tile: the three plane words this thread holds (column g) and the
+// unit scales s256 of its two C columns.
+struct ImmaB {
+  uint2 b0, b1, b2;
+  float s256[2];
+};
+
+// AHEAD: each chunk's B operands are loaded into registers a chunk early (issued before the
+// chunk's arithmetic, after its weight copies are waited for), so their L2 latency overlaps the
+// previous chunk's mma work; else each is loaded just before its use. The same values, so the same
+// bits; the narrow tile only (NT = 1: 16 registers).
+template <int MT, int NT, bool AHEAD>
 __global__ void __launch_bounds__(kImmaThreads, 1)
     imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
@@ -157,8 +170,20 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
           for (int e = 0; e < 4; ++e) acc[i][mt][nt][e] = 0.0f;
   };
 
-  // Unit u (lane v of its chunk) into the sums of virtual lane i of this warp.
-  auto apply = [&](const uint8_t* chunk, int v, int64_t u, float (&a)[MT][NT][4]) {
+  // Unit u's B operand for n-tile nt (u < units).
+  auto load_b = [&](int64_t u, int nt, ImmaB& b) {
+    const uint8_t* rec = P + pb[nt] + kPlaneBytes * u;
+    b.b0 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 8 * t));
+    b.b1 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 32 + 8 * t));
+    b.b2 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 64 + 8 * t));
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+      b.s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
+  };
+
+  // Unit u (lane v of its chunk) into the sums a of one of this warp's virtual lanes; its B operands
+  // are `ahead` (AHEAD) or loaded here, an n-tile at a time.
+  auto apply = [&](const uint8_t* chunk, int v, int64_t u, const ImmaB (&ahead)[NT], float (&a)[MT][NT][4]) {
     uint32_t A[MT][4];
     float d[MT][2];
 #pragma unroll
@@ -174,27 +199,25 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     }
 #pragma unroll
     for (int nt = 0; nt < NT; ++nt) {
-      const uint8_t* rec = P + pb[nt] + kPlaneBytes * u;
-      const uint2 b0 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 8 * t));
-      const uint2 b1 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 32 + 8 * t));
-      const uint2 b2 = ds4_ldg(reinterpret_cast<const uint2*>(rec + 64 + 8 * t));
-      float s256[2];
-#pragma unroll
-      for (int j = 0; j < 2; ++j)
-        s256[j] = ds4_ldg(reinterpret_cast<const float*>(P + pc[nt][j] + kPlaneBytes * u + kPlaneScaleOff));
+      ImmaB bn;
+      if constexpr (AHEAD) {
+        bn = ahead[nt];
+      } else {
+        load_b(u, nt, bn);
+      }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         const int zero4[4] = {0, 0, 0, 0};
         int s1[4], tt[4], s2[4];
-        mma_s8_k32(s1, A[mt], b1.x, b1.y, zero4);
+        mma_s8_k32(s1, A[mt], bn.b1.x, bn.b1.y, zero4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8_k32(tt, A[mt], b0.x, b0.y, s1);
-        mma_s8_k32(s2, A[mt], b2.x, b2.y, zero4);
+        mma_s8_k32(tt, A[mt], bn.b0.x, bn.b0.y, s1);
+        mma_s8_k32(s2, A[mt], bn.b2.x, bn.b2.y, zero4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
-          a[mt][nt][e] = fmaf(f, d[mt][e >> 1] * s256[e & 1], a[mt][nt][e]);
+          a[mt][nt][e] = fmaf(f, d[mt][e >> 1] * bn.s256[e & 1], a[mt][nt][e]);
         }
       }
     }
@@ -204,16 +227,36 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   if (n_chunks > 0) issue(0, 0);
   ds4_grid_begin();
   zero();
+  // This warp's two units of chunk q (virtual lanes warp and warp + 16): their B operands.
+  ImmaB bq[2][NT];
+  auto load_chunk = [&](int64_t q, ImmaB (&b)[2][NT]) {
+#pragma unroll
+    for (int k = 0; k < 2; ++k) {
+      const int64_t u = 32 * q + warp + 16 * k;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt)
+        if (u < units) load_b(u, nt, b[k][nt]);
+    }
+  };
+  if (AHEAD && n_chunks > 0) load_chunk(0, bq);
   int stage = 0;
   for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
     const int64_t nq = chunk_after(q, ks, n_chunks);
     next_stage(nq, stage, issue);
     const uint8_t* chunk = smem + stage * S::kStage;
+    ImmaB bn[2][NT];
+    if (AHEAD && nq >= 0) load_chunk(nq, bn);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int v = warp + 16 * k;
       const int64_t u = 32 * q + v;
-      if (u < units) apply(chunk, v, u, acc[k]);
+      if (u < units) apply(chunk, v, u, bq[k], acc[k]);
+    }
+    if (AHEAD) {
+#pragma unroll
+      for (int k = 0; k < 2; ++k)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) bq[k][nt] = bn[k][nt];
     }
     __syncthreads();  // the stage is free before it is filled again
     const int s_now = static_cast<int>(q % ks);
@@ -288,14 +331,27 @@ void set_matvec_imma_grouped(int min_pairs_per_expert) {
 
 int matvec_imma_grouped() { return threshold_now(g_imma_grouped, "DS4_GPU_MV_IMMA_GROUPED", kImmaDefaultPairs); }
 
+void set_matvec_imma_narrow(int min_rows, int ahead) {
+  if (min_rows < -1) throw std::invalid_argument("set_matvec_imma_narrow: min_rows must be >= 0 (-1: the default)");
+  if (ahead < -1 || ahead > 1) throw std::invalid_argument("set_matvec_imma_narrow: ahead must be 0, 1 or -1");
+  g_imma_narrow_rows.store(min_rows, std::memory_order_relaxed);
+  g_imma_ahead.store(ahead, std::memory_order_relaxed);
+}
+
+int matvec_imma_narrow_rows() { return threshold_now(g_imma_narrow_rows, "DS4_GPU_MV_IMMA_NARROW_ROWS", 0); }
+
+bool matvec_imma_ahead() { return threshold_now(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD", 1) != 0; }
+
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
 bool imma_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool wide = cudaFuncSetAttribute(imma_q8_kernel<2, 4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const bool wide = cudaFuncSetAttribute(imma_q8_kernel<2, 4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            ImmaShape<2, 4>::kSmem) == cudaSuccess;
-    const bool narrow = cudaFuncSetAttribute(imma_q8_kernel<4, 1>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const bool narrow = cudaFuncSetAttribute(imma_q8_kernel<4, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             ImmaShape<4, 1>::kSmem) == cudaSuccess &&
+                        cudaFuncSetAttribute(imma_q8_kernel<4, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                              ImmaShape<4, 1>::kSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return wide && narrow;
@@ -316,6 +372,10 @@ int set_matvec_imma_grouped(int min_pairs_per_expert) {
   ds4::gpu::set_matvec_imma_grouped(min_pairs_per_expert);
   return matvec_imma_grouped();
 }
+int set_matvec_imma_narrow(int min_rows, int ahead) {
+  ds4::gpu::set_matvec_imma_narrow(min_rows, ahead);
+  return matvec_imma_narrow_rows() * 2 + (matvec_imma_ahead() ? 1 : 0);
+}
 int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
 }  // namespace testing
 
@@ -330,6 +390,9 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
       static_cast<int64_t>(ncols) * ldp >= (int64_t{1} << 31))
     return false;
   const int64_t rows = W.ne[1];
+  // A narrow call (the 64 x 8 tile: decode widths) has a block per 64 rows of each member: too few
+  // row blocks leave SMs idle, so it may ask for a least height (DS4_GPU_MV_IMMA_NARROW_ROWS).
+  if (ncols <= 8 && rows * n_batch < matvec_imma_narrow_rows()) return false;
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
   // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
@@ -340,10 +403,12 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
     launch(kernel, grid, kImmaThreads, S::kSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols, Y, ldy,
            w_member, static_cast<int64_t>(ncols) * ldp, y_member);
   };
-  if (ncols <= 8) {
-    go(imma_q8_kernel<4, 1>, ImmaShape<4, 1>{});
+  if (ncols > 8) {
+    go(imma_q8_kernel<2, 4, false>, ImmaShape<2, 4>{});
+  } else if (matvec_imma_ahead()) {
+    go(imma_q8_kernel<4, 1, true>, ImmaShape<4, 1>{});
   } else {
-    go(imma_q8_kernel<2, 4>, ImmaShape<2, 4>{});
+    go(imma_q8_kernel<4, 1, false>, ImmaShape<4, 1>{});
   }
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
   imma_count_launch();

@@ -32,6 +32,7 @@ def imma():
     yield T.gpu_set_matvec_imma
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
+    T.gpu_set_matvec_imma_narrow(-1, -1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -59,6 +60,11 @@ def test_imma_switches_read_back(imma) -> None:
     for setter in (imma, T.gpu_set_matvec_imma_grouped):
         with pytest.raises(ValueError):
             setter(-2)
+    assert T.gpu_set_matvec_imma_narrow(-1, -1) == (0, True)
+    assert T.gpu_set_matvec_imma_narrow(16384, 0) == (16384, False)
+    assert T.gpu_set_matvec_imma_narrow(-1, -1) == (0, True)
+    with pytest.raises(ValueError):
+        T.gpu_set_matvec_imma_narrow(0, 2)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall), 2 and 4 (4 chunks;
@@ -77,9 +83,17 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
     for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
-        got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
-        assert launches == 1, width
-        assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), width
+        # The narrow tile with its planes loaded a chunk ahead and in place.
+        for ahead in (1, 0) if width <= 8 else (1,):
+            T.gpu_set_matvec_imma_narrow(0, ahead)
+            got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
+            assert launches == 1, width
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead)
+    # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
+    T.gpu_set_matvec_imma_narrow(ne1 + 1, 1)
+    got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
+    assert launches == 0 and np.array_equal(got.view(np.uint32), want[:8].view(np.uint32))
+    T.gpu_set_matvec_imma_narrow(-1, -1)
     # A column sits in another tile and n-slot of a wider call: the same bits.
     perm = rng.permutation(77)
     got, _ = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[perm]))
@@ -217,4 +231,38 @@ def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
             out[graphs, threshold] = logits
     for key, logits in out.items():
         for a, b in zip(logits, out[False, 0]):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key
+
+
+def test_engine_decode_widths_on_the_narrow_tile_equal_simt(imma, tmp_path) -> None:
+    """Two sequences fed 3 and 2 rows a step (calls of 5 columns, then 3 and 2: the narrow 64 x 8
+    tile) give the SIMT kernels' logits with every Q8_0 product on the tensor cores, the planes
+    loaded a chunk ahead and in place, eager and under graphs."""
+    from ds4_app.engine.presets import tiny
+    from ds4_app.engine.synth import synthesize
+    from ds4_app.engine.gguf_file import ModelFile
+    from tests.engine_cases import Seq, prompt, run
+    from tests.gpu.test_gpu_engine import gpu_engine
+
+    path = tmp_path / "tiny.gguf"
+    synthesize(tiny(), path, seed=12)
+    mf = ModelFile.open(path)
+    gpu = gpu_engine(mf, max_slots=2, max_rows=8)
+    out = {}
+    for graphs in (False, True):
+        gpu.use_graphs = graphs
+        for threshold, ahead in ((0, 1), (1, 1), (1, 0)):
+            imma(threshold)
+            T.gpu_set_matvec_imma_narrow(0, ahead)
+            before = T.gpu_imma_launches()
+            gpu.reset_slot(0)
+            gpu.reset_slot(1)
+            logits = run(gpu, [Seq(prompt(mf, 7, 12), slot=0, pages=[1, 3], rows=3),
+                               Seq(prompt(mf, 8, 9), slot=1, pages=[4, 6], rows=2)])
+            launched = T.gpu_imma_launches() - before
+            if not graphs:  # (under graphs only a capture launches)
+                assert (launched > 0) == (threshold > 0), (threshold, ahead)
+            out[graphs, threshold, ahead] = logits
+    for key, logits in out.items():
+        for a, b in zip(logits, out[False, 0, 1]):
             assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key

@@ -193,7 +193,8 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
 # (l2's: the engine's).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "planes": True, "branch": True}
+                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "immarows": 0, "immaahead": True,
+                   "planes": True, "branch": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -202,7 +203,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        want[key] = int(value) if key in ("imma", "immag") else value != "0"
+        want[key] = int(value) if key in ("imma", "immag", "immarows") else value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
     runner._impl.use_branches = want["branch"]
@@ -213,6 +214,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_int8(want["int8"])
     _native._testing.gpu_set_matvec_imma(want["imma"])
     _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
+    _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], int(want["immaahead"]))
     _native._testing.gpu_set_planes_fused(want["planes"])
 
 
