@@ -253,7 +253,7 @@ def _t_gpu_set_matvec_int8(on):
 
 def _t_gpu_set_matvec_imma(int min_cols):
     """The fewest columns from which a Q8_0 product (integer products on) takes the integer tensor-core
-    kernel (ext/gpu/imma_q8.cu; 0: never; -1: back to DS4_GPU_MV_IMMA=N or the default, 16),
+    kernel (ext/gpu/imma_q8.cu; 0: never; -1: back to DS4_GPU_MV_IMMA=N or the default, 6),
     process-wide. The bits never depend on it. Returns the setting now."""
     return int(gpu_set_matvec_imma(min_cols))
 
@@ -269,7 +269,7 @@ def _t_gpu_set_matvec_imma_grouped(int min_pairs):
 def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead):
     """The tensor-core Q8_0 kernel's narrow tile (calls of at most 8 columns): the fewest rows (times
     batch members) such a call needs to take it (-1: back to DS4_GPU_MV_IMMA_NARROW_ROWS=N or the
-    default, 0: any), and whether it loads its planes a chunk ahead (0/1; -1: back to
+    default, 4096; 0: any), and whether it loads its planes a chunk ahead (0/1; -1: back to
     DS4_GPU_MV_IMMA_AHEAD or the default, on), process-wide. The bits never depend on either.
     Returns (min_rows, ahead) now."""
     v = int(gpu_set_matvec_imma_narrow(min_rows, ahead))

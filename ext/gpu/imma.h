@@ -20,14 +20,20 @@ namespace ds4::gpu {
 // names.
 // Where the build or the device has no integer mma.sync (HIP, before sm_90 here) the kernels never
 // run and the getters still report the settings.
-constexpr int kImmaDefaultCols = 16;  // pass 11, call 10: 16-row prefill steps 3089 -> 3306 tok/s
+// Pass 11, call 10: 16-row prefill steps 3089 -> 3306 tok/s at 16. Pass 13, call 1: decode at C = 8
+// +9.3% at 8, C = 6 +1.9% at 4 (C = 4 -8.5%), so 6.
+constexpr int kImmaDefaultCols = 6;
+// Pass 13, call 1 (ncu, C = 8): the narrow tile is slower than the SIMT kernels on q_a (1024 rows),
+// kv (512) and the shared expert's gate and up (2048): a block per 64 rows is too few blocks.
+constexpr int kImmaDefaultNarrowRows = 4096;
 constexpr int kImmaDefaultPairs = 2;
 void set_matvec_imma(int min_cols);
 int matvec_imma();
 void set_matvec_imma_grouped(int min_pairs_per_expert);
 int matvec_imma_grouped();
 // The narrow tile (calls of at most 8 columns, decode widths): the fewest rows (times members) such
-// a call must have to take the tensor cores (DS4_GPU_MV_IMMA_NARROW_ROWS=N, default 0: any), and
+// a call must have to take the tensor cores (DS4_GPU_MV_IMMA_NARROW_ROWS=N, default
+// kImmaDefaultNarrowRows; 0: any), and
 // whether its planes are loaded a chunk ahead (DS4_GPU_MV_IMMA_AHEAD=0/1, default 1). -1 in the
 // setter: back to the environment's value or the default. The same bits either way; graph key.
 void set_matvec_imma_narrow(int min_rows, int ahead);

@@ -338,7 +338,9 @@ void set_matvec_imma_narrow(int min_rows, int ahead) {
   g_imma_ahead.store(ahead, std::memory_order_relaxed);
 }
 
-int matvec_imma_narrow_rows() { return threshold_now(g_imma_narrow_rows, "DS4_GPU_MV_IMMA_NARROW_ROWS", 0); }
+int matvec_imma_narrow_rows() {
+  return threshold_now(g_imma_narrow_rows, "DS4_GPU_MV_IMMA_NARROW_ROWS", kImmaDefaultNarrowRows);
+}
 
 bool matvec_imma_ahead() { return threshold_now(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD", 1) != 0; }
 

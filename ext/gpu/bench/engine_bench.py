@@ -193,7 +193,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
 # (l2's: the engine's).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 16, "immag": 2, "immarows": 0, "immaahead": True,
+                   "tall2": False, "int8": True, "imma": 6, "immag": 2, "immarows": 4096, "immaahead": True,
                    "planes": True, "branch": True}
 
 
