@@ -35,8 +35,10 @@
 // Layout of the work: block (x, y, z) = rows [32x, 32x + 32) x columns [32y, 32y + 32) of member
 // z (calls of at most 8 columns: rows [64x, 64x + 64) x 8 columns, ImmaShape); 16 warps, each all
 // 32 x 32 outputs (2 m-tiles x 4 n-tiles; or 4 x 1) for its two virtual lanes. Per chunk of 32
-// units the block copies each of its rows' 1088 bytes (cp.async, two stages) into shared memory; each warp reads the A fragments of its units from there and the B fragments (plane
-// words) and scales straight from global memory (L1/L2: every row block reads them).
+// units the block copies each of its rows' 1088 bytes (cp.async, two stages) into shared memory;
+// each warp reads the A fragments of its units from there and the B fragments (plane words) and
+// scales straight from global memory (L1/L2: every row block reads them); the narrow tile loads
+// them a chunk ahead (DS4_GPU_MV_IMMA_AHEAD), the wide one where they are used.
 // Bytes it must move: the weights once per 32 columns, the planes once per 32 rows (from L2), Y.
 //
 // The k order inside an mma is a free choice (integers): k-slots 4t..4t+3 hold the unit's elements
