@@ -52,7 +52,8 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     cbool gpu_set_matvec_int8 "ds4::gpu::testing::set_matvec_int8"(cbool on) except +
     int gpu_set_matvec_imma "ds4::gpu::testing::set_matvec_imma"(int min_cols) except +
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
-    int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead) except +
+    int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
+                                                                               int persist) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -266,14 +267,15 @@ def _t_gpu_set_matvec_imma_grouped(int min_pairs):
     return int(gpu_set_matvec_imma_grouped(min_pairs))
 
 
-def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead):
+def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     """The tensor-core Q8_0 kernel's narrow tile (calls of at most 8 columns): the fewest rows (times
     batch members) such a call needs to take it (-1: back to DS4_GPU_MV_IMMA_NARROW_ROWS=N or the
-    default, 4096; 0: any), and whether it loads its planes a chunk ahead (0/1; -1: back to
-    DS4_GPU_MV_IMMA_AHEAD or the default, on), process-wide. The bits never depend on either.
-    Returns (min_rows, ahead) now."""
-    v = int(gpu_set_matvec_imma_narrow(min_rows, ahead))
-    return v // 2, bool(v % 2)
+    default, 4096; 0: any), whether it loads its planes a chunk ahead and whether a call with more
+    row blocks than SMs runs on a persistent grid (each 0/1; -1: back to DS4_GPU_MV_IMMA_AHEAD /
+    DS4_GPU_MV_IMMA_PERSIST or the default, on), process-wide. The bits never depend on any of them.
+    Returns (min_rows, ahead, persist) now."""
+    v = int(gpu_set_matvec_imma_narrow(min_rows, ahead, persist))
+    return v // 4, bool(v & 1), bool(v & 2)
 
 
 def _t_gpu_imma_launches():

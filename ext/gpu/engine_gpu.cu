@@ -216,7 +216,7 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches).
-  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, bool>, cudaGraphExec_t>
+  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, bool, bool>, cudaGraphExec_t>
       graph_cache;
   int graphs_captured = 0;
 
@@ -952,7 +952,7 @@ void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
                                    matvec_settings_key(), prefetch, matvec_imma(),
-                                   matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
+                                   matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(), matvec_imma_persist(),
                                    planes_fused(), branches);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {

@@ -34,11 +34,14 @@ int matvec_imma_grouped();
 // The narrow tile (calls of at most 8 columns, decode widths): the fewest rows (times members) such
 // a call must have to take the tensor cores (DS4_GPU_MV_IMMA_NARROW_ROWS=N, default
 // kImmaDefaultNarrowRows; 0: any), and
-// whether its planes are loaded a chunk ahead (DS4_GPU_MV_IMMA_AHEAD=0/1, default 1). -1 in the
-// setter: back to the environment's value or the default. The same bits either way; graph key.
-void set_matvec_imma_narrow(int min_rows, int ahead);
+// whether its planes are loaded a chunk ahead (DS4_GPU_MV_IMMA_AHEAD=0/1, default 1), and whether a
+// call of one member with more row blocks than SMs runs on a persistent grid, a block an SM walking
+// row blocks (DS4_GPU_MV_IMMA_PERSIST=0/1, default 1). -1 in the setter: back to the environment's
+// value or the default. The same bits either way; graph key.
+void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
+bool matvec_imma_persist();
 
 // Counts a launch of either kernel (testing::imma_launches).
 void imma_count_launch();

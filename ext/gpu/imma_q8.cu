@@ -64,6 +64,7 @@ std::atomic<int> g_imma{-1};          // -1: not read from the environment yet
 std::atomic<int> g_imma_grouped{-1};  // the same for the grouped threshold
 std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1: environment)
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
+std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -111,9 +112,9 @@ struct ImmaB {
   float s256[2];
 };
 
-// AHEAD: each chunk's B operands are loaded into registers a chunk early (issued before the
-// chunk's arithmetic, after its weight copies are waited for), so their L2 latency overlaps the
-// previous chunk's mma work; else each is loaded just before its use. The same values, so the same
+// AHEAD: each chunk's B operands are loaded into registers a chunk early (issued right after the
+// previous chunk's mma work), so their L2 latency overlaps the barrier, the slice sums and the wait
+// for the chunk's weights; else each is loaded just before its use. The same values, so the same
 // bits; the narrow tile only (NT = 1: 16 registers).
 template <int MT, int NT, bool AHEAD>
 __global__ void __launch_bounds__(kImmaThreads, 1)
@@ -128,7 +129,10 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   W += static_cast<int64_t>(blockIdx.z) * w_member;
   P += static_cast<int64_t>(blockIdx.z) * p_member;
   Y += static_cast<int64_t>(blockIdx.z) * y_member;
-  const int64_t r0 = static_cast<int64_t>(blockIdx.x) * S::kRows;
+  // This block's row blocks: x, x + gridDim.x, ... (one, unless the narrow tile's grid is persistent:
+  // then the copy stream runs on from one row block's last chunk into the next one's first).
+  const int n_rb = static_cast<int>((rows + S::kRows - 1) / S::kRows);
+  int rb = static_cast<int>(blockIdx.x);
   const int c0 = static_cast<int>(blockIdx.y) * S::kCols;
 
   // This thread's plane records (byte offsets from P, below 2^31: the launcher checks): B column
@@ -144,8 +148,8 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 
   const int64_t n_chunks = (units + 31) / 32;
   // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
-  auto issue = [&](int64_t q, int stage) {
-    const int64_t u0 = 32 * q;
+  auto issue = [&](int rb_of, int64_t q, int stage) {
+    const int64_t u0 = 32 * q, r0 = static_cast<int64_t>(rb_of) * S::kRows;
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
     const uint8_t* wq = W + u0 * 34;
     copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec,
@@ -225,8 +229,23 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     }
   };
 
+  // Row block rb_of's outputs from the k-slices' sums, which start again from +0.
+  auto store = [&](int rb_of) {
+#pragma unroll
+    for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
+      const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
+      const int64_t row = static_cast<int64_t>(rb_of) * S::kRows + o / S::kCols;
+      const int col = c0 + o % S::kCols;
+      const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
+      const float y = kslice_tree(y4, ks);
+      if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
+#pragma unroll
+      for (int s = 0; s < kImmaMaxSlices; ++s) ys[s][j] = 0.0f;
+    }
+  };
+
   // The first weights are in flight before the wait for the kernels that wrote the planes.
-  if (n_chunks > 0) issue(0, 0);
+  if (n_chunks > 0) issue(rb, 0, 0);
   ds4_grid_begin();
   zero();
   // This warp's two units of chunk q (virtual lanes warp and warp + 16): their B operands.
@@ -243,23 +262,20 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   if (AHEAD && n_chunks > 0) load_chunk(0, bq);
   int stage = 0;
   for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
-    const int64_t nq = chunk_after(q, ks, n_chunks);
-    next_stage(nq, stage, issue);
+    const int64_t nq = chunk_after(q, ks, n_chunks);  // -1: the row block's last chunk
+    // The next copy: the row block's next chunk, else the next row block's first (if any).
+    const int nrb = nq >= 0 ? rb : rb + static_cast<int>(gridDim.x);
+    const int64_t n_item = nq >= 0 ? nq : (nrb < n_rb ? 0 : -1);
+    next_stage(n_item, stage, [&](int64_t q_of, int st) { issue(nrb, q_of, st); });
     const uint8_t* chunk = smem + stage * S::kStage;
-    ImmaB bn[2][NT];
-    if (AHEAD && nq >= 0) load_chunk(nq, bn);
 #pragma unroll
     for (int k = 0; k < 2; ++k) {
       const int v = warp + 16 * k;
       const int64_t u = 32 * q + v;
       if (u < units) apply(chunk, v, u, bq[k], acc[k]);
     }
-    if (AHEAD) {
-#pragma unroll
-      for (int k = 0; k < 2; ++k)
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) bq[k][nt] = bn[k][nt];
-    }
+    // The next chunk's operands, in flight over the barrier, the sums and the wait for its weights.
+    if (AHEAD && n_item >= 0) load_chunk(n_item, bq);
     __syncthreads();  // the stage is free before it is filled again
     const int s_now = static_cast<int>(q % ks);
     if (nq < 0 || nq % ks != s_now) {
@@ -289,18 +305,12 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       __syncthreads();
       zero();
     }
-    q = nq;
+    if (nq < 0) store(rb);
+    rb = nrb;
+    q = n_item;
     stage ^= 1;
   }
-#pragma unroll
-  for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
-    const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-    const int64_t row = r0 + o / S::kCols;
-    const int col = c0 + o % S::kCols;
-    const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
-    const float y = kslice_tree(y4, ks);
-    if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
-  }
+  for (; n_chunks == 0 && rb < n_rb; rb += static_cast<int>(gridDim.x)) store(rb);  // no units: every output +0
 }
 
 #endif  // DS4_IMMA
@@ -333,11 +343,13 @@ void set_matvec_imma_grouped(int min_pairs_per_expert) {
 
 int matvec_imma_grouped() { return threshold_now(g_imma_grouped, "DS4_GPU_MV_IMMA_GROUPED", kImmaDefaultPairs); }
 
-void set_matvec_imma_narrow(int min_rows, int ahead) {
+void set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   if (min_rows < -1) throw std::invalid_argument("set_matvec_imma_narrow: min_rows must be >= 0 (-1: the default)");
-  if (ahead < -1 || ahead > 1) throw std::invalid_argument("set_matvec_imma_narrow: ahead must be 0, 1 or -1");
+  if (ahead < -1 || ahead > 1 || persist < -1 || persist > 1)
+    throw std::invalid_argument("set_matvec_imma_narrow: ahead and persist must be 0, 1 or -1");
   g_imma_narrow_rows.store(min_rows, std::memory_order_relaxed);
   g_imma_ahead.store(ahead, std::memory_order_relaxed);
+  g_imma_persist.store(persist, std::memory_order_relaxed);
 }
 
 int matvec_imma_narrow_rows() {
@@ -345,6 +357,8 @@ int matvec_imma_narrow_rows() {
 }
 
 bool matvec_imma_ahead() { return threshold_now(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD", 1) != 0; }
+
+bool matvec_imma_persist() { return threshold_now(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST", 1) != 0; }
 
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
@@ -376,9 +390,9 @@ int set_matvec_imma_grouped(int min_pairs_per_expert) {
   ds4::gpu::set_matvec_imma_grouped(min_pairs_per_expert);
   return matvec_imma_grouped();
 }
-int set_matvec_imma_narrow(int min_rows, int ahead) {
-  ds4::gpu::set_matvec_imma_narrow(min_rows, ahead);
-  return matvec_imma_narrow_rows() * 2 + (matvec_imma_ahead() ? 1 : 0);
+int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
+  ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
+  return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
 int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
 }  // namespace testing
@@ -402,7 +416,12 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
   auto go = [&](auto kernel, auto shape) {
     using S = decltype(shape);
-    const dim3 grid(static_cast<unsigned>((rows + S::kRows - 1) / S::kRows),
+    // The narrow tile of one member with more row blocks than SMs: one block an SM (its shared memory
+    // allows no second), each walking row blocks x, x + grid, ...
+    const int64_t n_rb = (rows + S::kRows - 1) / S::kRows;
+    const int sms = device_sms();
+    const bool persist = ncols <= 8 && n_batch == 1 && sms > 0 && n_rb > sms && matvec_imma_persist();
+    const dim3 grid(static_cast<unsigned>(persist ? sms : n_rb),
                     static_cast<unsigned>((ncols + S::kCols - 1) / S::kCols), static_cast<unsigned>(n_batch));
     launch(kernel, grid, kImmaThreads, S::kSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols, Y, ldy,
            w_member, static_cast<int64_t>(ncols) * ldp, y_member);

@@ -32,7 +32,7 @@ def imma():
     yield T.gpu_set_matvec_imma
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
-    T.gpu_set_matvec_imma_narrow(-1, -1)
+    T.gpu_set_matvec_imma_narrow(-1, -1, -1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -60,17 +60,20 @@ def test_imma_switches_read_back(imma) -> None:
     for setter in (imma, T.gpu_set_matvec_imma_grouped):
         with pytest.raises(ValueError):
             setter(-2)
-    default_narrow = T.gpu_set_matvec_imma_narrow(-1, -1)
-    assert default_narrow[0] >= 0 and default_narrow[1]
-    assert T.gpu_set_matvec_imma_narrow(16384, 0) == (16384, False)
-    assert T.gpu_set_matvec_imma_narrow(-1, -1) == default_narrow
-    with pytest.raises(ValueError):
-        T.gpu_set_matvec_imma_narrow(0, 2)
+    default_narrow = T.gpu_set_matvec_imma_narrow(-1, -1, -1)
+    assert default_narrow[0] >= 0 and default_narrow[1] and default_narrow[2]
+    assert T.gpu_set_matvec_imma_narrow(16384, 0, 0) == (16384, False, False)
+    assert T.gpu_set_matvec_imma_narrow(-1, -1, -1) == default_narrow
+    for bad in ((0, 2, 1), (0, 1, 2), (-2, 1, 1)):
+        with pytest.raises(ValueError):
+            T.gpu_set_matvec_imma_narrow(*bad)
 
 
-# (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall), 2 and 4 (4 chunks;
-# 5 chunks, the last 8 units: slice 0 takes two). Rows not multiples of the 32-row tile.
-SHAPES = [(1024, 700), (1536, 300), (256, 100), (2048, 8200), (2048, 3000), (4096, 1000), (4352, 500)]
+# (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall; taller than 132 SMs'
+# narrow row blocks: the persistent grid, some blocks walking two), 2 and 4 (4 chunks; 5 chunks, the
+# last 8 units: slice 0 takes two). Rows not multiples of the 32-row tile.
+SHAPES = [(1024, 700), (1536, 300), (256, 100), (2048, 8200), (1024, 9000), (2048, 3000), (4096, 1000),
+          (4352, 500)]
 
 
 @pytest.mark.parametrize("ne0, ne1", SHAPES, ids=[f"{k}x{r}" for k, r in SHAPES])
@@ -84,17 +87,17 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
     for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
-        # The narrow tile with its planes loaded a chunk ahead and in place.
-        for ahead in (1, 0) if width <= 8 else (1,):
-            T.gpu_set_matvec_imma_narrow(0, ahead)
+        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not.
+        for ahead, persist in ((1, 1), (0, 1), (1, 0)) if width <= 8 else ((1, 1),):
+            T.gpu_set_matvec_imma_narrow(0, ahead, persist)
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
-            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead)
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist)
     # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
-    T.gpu_set_matvec_imma_narrow(ne1 + 1, 1)
+    T.gpu_set_matvec_imma_narrow(ne1 + 1, 1, 1)
     got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
     assert launches == 0 and np.array_equal(got.view(np.uint32), want[:8].view(np.uint32))
-    T.gpu_set_matvec_imma_narrow(-1, -1)
+    T.gpu_set_matvec_imma_narrow(-1, -1, -1)
     # A column sits in another tile and n-slot of a wider call: the same bits.
     perm = rng.permutation(77)
     got, _ = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[perm]))
@@ -198,72 +201,71 @@ def test_gate_up_pair_declines_to_the_tensor_cores(imma) -> None:
     assert same_bits(g2, g0) and same_bits(g1, g0) and same_bits(u1, u0)
 
 
+def engine_runs(tmp_path, seed: int, max_rows: int, feeds, settings: dict) -> dict:
+    """The tiny preset (synthesized with seed) fed feeds(mf)'s two sequences under each setting
+    (name -> a function that sets the switches), eager and under graphs: {(graphs, name): (logits,
+    the tensor-core launches the run made)}."""
+    from ds4_app.engine.presets import tiny
+    from ds4_app.engine.synth import synthesize
+    from ds4_app.engine.gguf_file import ModelFile
+    from tests.engine_cases import run
+    from tests.gpu.test_gpu_engine import gpu_engine
+
+    path = tmp_path / "tiny.gguf"
+    synthesize(tiny(), path, seed=seed)
+    mf = ModelFile.open(path)
+    gpu = gpu_engine(mf, max_slots=2, max_rows=max_rows)
+    out = {}
+    for graphs in (False, True):
+        gpu.use_graphs = graphs
+        for name, setting in settings.items():
+            setting()
+            before = T.gpu_imma_launches()
+            gpu.reset_slot(0)
+            gpu.reset_slot(1)
+            logits = run(gpu, feeds(mf))
+            out[graphs, name] = logits, T.gpu_imma_launches() - before
+    return out
+
+
+def assert_same_logits(out: dict) -> None:
+    first = next(iter(out.values()))[0]
+    for key, (logits, _) in out.items():
+        for a, b in zip(logits, first):
+            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key
+
+
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
     taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
     expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
     key)."""
-    from ds4_app.engine.presets import tiny
-    from ds4_app.engine.synth import synthesize
-    from ds4_app.engine.gguf_file import ModelFile
-    from tests.engine_cases import Seq, prompt, run
-    from tests.gpu.test_gpu_engine import gpu_engine
+    from tests.engine_cases import Seq, prompt
 
-    path = tmp_path / "tiny.gguf"
-    synthesize(tiny(), path, seed=11)
-    mf = ModelFile.open(path)
-    gpu = gpu_engine(mf, max_slots=2, max_rows=80)
-    out = {}
-    for graphs in (False, True):
-        gpu.use_graphs = graphs
-        for threshold in (0, 4):
-            imma(threshold)
-            T.gpu_set_matvec_imma_grouped(1 if threshold else 0)
-            before = T.gpu_imma_launches()
-            gpu.reset_slot(0)
-            gpu.reset_slot(1)
-            logits = run(gpu, [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
-                               Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)])
-            launched = T.gpu_imma_launches() - before
-            if threshold and not graphs:
-                assert launched > 0
-            if not threshold:
-                assert launched == 0
-            out[graphs, threshold] = logits
-    for key, logits in out.items():
-        for a, b in zip(logits, out[False, 0]):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key
+    def setting(threshold: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0))
+
+    out = engine_runs(tmp_path, 11, 80,
+                      lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
+                                  Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
+                      {0: setting(0), 4: setting(4)})
+    assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
+    assert_same_logits(out)
 
 
 def test_engine_decode_widths_on_the_narrow_tile_equal_simt(imma, tmp_path) -> None:
     """Two sequences fed 3 and 2 rows a step (calls of 5 columns, then 3 and 2: the narrow 64 x 8
     tile) give the SIMT kernels' logits with every Q8_0 product on the tensor cores, the planes
     loaded a chunk ahead and in place, eager and under graphs."""
-    from ds4_app.engine.presets import tiny
-    from ds4_app.engine.synth import synthesize
-    from ds4_app.engine.gguf_file import ModelFile
-    from tests.engine_cases import Seq, prompt, run
-    from tests.gpu.test_gpu_engine import gpu_engine
+    from tests.engine_cases import Seq, prompt
 
-    path = tmp_path / "tiny.gguf"
-    synthesize(tiny(), path, seed=12)
-    mf = ModelFile.open(path)
-    gpu = gpu_engine(mf, max_slots=2, max_rows=8)
-    out = {}
-    for graphs in (False, True):
-        gpu.use_graphs = graphs
-        for threshold, ahead in ((0, 1), (1, 1), (1, 0)):
-            imma(threshold)
-            T.gpu_set_matvec_imma_narrow(0, ahead)
-            before = T.gpu_imma_launches()
-            gpu.reset_slot(0)
-            gpu.reset_slot(1)
-            logits = run(gpu, [Seq(prompt(mf, 7, 12), slot=0, pages=[1, 3], rows=3),
-                               Seq(prompt(mf, 8, 9), slot=1, pages=[4, 6], rows=2)])
-            launched = T.gpu_imma_launches() - before
-            if not graphs:  # (under graphs only a capture launches)
-                assert (launched > 0) == (threshold > 0), (threshold, ahead)
-            out[graphs, threshold, ahead] = logits
-    for key, logits in out.items():
-        for a, b in zip(logits, out[False, 0, 1]):
-            assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), key
+    def setting(threshold: int, ahead: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_narrow(0, ahead, 1))
+
+    out = engine_runs(tmp_path, 12, 8,
+                      lambda mf: [Seq(prompt(mf, 7, 12), slot=0, pages=[1, 3], rows=3),
+                                  Seq(prompt(mf, 8, 9), slot=1, pages=[4, 6], rows=2)],
+                      {"simt": setting(0, 1), "ahead": setting(1, 1), "in place": setting(1, 0)})
+    # (under graphs only a capture launches)
+    assert out[False, "simt"][1] == 0 and out[False, "ahead"][1] > 0 and out[False, "in place"][1] > 0
+    assert_same_logits(out)

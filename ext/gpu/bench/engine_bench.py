@@ -194,6 +194,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 # (l2's: the engine's).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": 6, "immag": 2, "immarows": 4096, "immaahead": True,
+                   "immapersist": True,
                    "planes": True, "branch": True}
 
 
@@ -214,7 +215,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_int8(want["int8"])
     _native._testing.gpu_set_matvec_imma(want["imma"])
     _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
-    _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], int(want["immaahead"]))
+    _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], int(want["immaahead"]), int(want["immapersist"]))
     _native._testing.gpu_set_planes_fused(want["planes"])
 
 
