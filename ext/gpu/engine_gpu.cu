@@ -952,8 +952,8 @@ void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
                                    matvec_settings_key(), prefetch, matvec_imma(),
-                                   matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(), matvec_imma_persist(),
-                                   planes_fused(), branches);
+                                   matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
+                                   matvec_imma_persist(), planes_fused(), branches);
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
