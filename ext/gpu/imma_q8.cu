@@ -356,9 +356,9 @@ int matvec_imma_narrow_rows() {
   return threshold_now(g_imma_narrow_rows, "DS4_GPU_MV_IMMA_NARROW_ROWS", kImmaDefaultNarrowRows);
 }
 
-bool matvec_imma_ahead() { return threshold_now(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD", 1) != 0; }
+bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
-bool matvec_imma_persist() { return threshold_now(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST", 1) != 0; }
+bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
 
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
