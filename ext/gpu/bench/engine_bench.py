@@ -33,6 +33,8 @@ includes the plan upload, every kernel and the logits download). Method:
   persistent grid, `tall2=0/1` the tall matvec's two chunk stages, `int8=0/1` the integer Q8_0
   products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
   `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never),
+  `immarows=N` the fewest rows a call of at most 8 columns takes them from, `immaahead=0/1` and
+  `immapersist=0/1` that narrow tile's operands a chunk ahead and its persistent grid,
   `planes=0/1` the producer-built planes (the prep launches they save), `branch=0/1` the step
   branches (the KV side and the shared expert on a second stream); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
@@ -191,11 +193,10 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
-# (l2's: the engine's).
+# (l2's: the engine's; -1: the integer tensor cores' setters go back to the library's, imma.h).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
-                   "tall2": False, "int8": True, "imma": 6, "immag": 2, "immarows": 4096, "immaahead": True,
-                   "immapersist": True,
-                   "planes": True, "branch": True}
+                   "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
+                   "immapersist": -1, "planes": True, "branch": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -204,7 +205,12 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        want[key] = int(value) if key in ("imma", "immag", "immarows") else value != "0"
+        if key in ("imma", "immag", "immarows"):
+            want[key] = int(value)
+        elif key in ("immaahead", "immapersist"):
+            want[key] = int(value != "0")
+        else:
+            want[key] = value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
     runner._impl.use_branches = want["branch"]
@@ -215,7 +221,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_int8(want["int8"])
     _native._testing.gpu_set_matvec_imma(want["imma"])
     _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
-    _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], int(want["immaahead"]), int(want["immapersist"]))
+    _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], want["immaahead"], want["immapersist"])
     _native._testing.gpu_set_planes_fused(want["planes"])
 
 
