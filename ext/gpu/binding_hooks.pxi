@@ -19,7 +19,8 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
     void gpu_set_matvec_persistent "ds4::gpu::testing::set_matvec_persistent"(cbool on) except +
     void gpu_set_matvec_tall_stages "ds4::gpu::testing::set_matvec_tall_stages"(int stages) except +
-    void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant) except +
+    void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant, int stages, int width) except +
+    int gpu_set_matvec_grouped_groups "ds4::gpu::testing::set_matvec_grouped_groups"(int groups) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
                                                                 int staged_min) except +
@@ -320,10 +321,19 @@ def _t_gpu_set_matvec_tall_stages(int stages):
     gpu_set_matvec_tall_stages(stages)
 
 
-def _t_gpu_set_matvec_grouped(int variant):
+def _t_gpu_set_matvec_grouped(int variant, int stages=0, int width=0):
     """Which grouped kernel Q4_K expert products take, process-wide: 0 pass 5, 1 the own body,
-    2 the own body with the one-fma decode (ext/gpu/matvec.cuh; the bits never change)."""
-    gpu_set_matvec_grouped(variant)
+    2 the own body with the one-fma decode; stages 2..4 the own body's copy stages and width 1, 2, 4
+    or 8 its widest sub-part (each 0: keep, -1: back to DS4_GPU_MV_GROUPED_STAGES / _WIDTH or the
+    default, 3 and 4) (ext/gpu/matvec.cuh; the bits never change)."""
+    gpu_set_matvec_grouped(variant, stages, width)
+
+
+def _t_gpu_set_matvec_grouped_groups(int groups):
+    """The own grouped kernel's row groups a warp streams in one copy stream, process-wide (1..16;
+    0: chosen per launch; -1: back to DS4_GPU_MV_GROUPED_GROUPS=N, else 0); the bits never change.
+    Returns the setting now."""
+    return int(gpu_set_matvec_grouped_groups(groups))
 
 
 def _t_gpu_rms_norm(X, w, float eps):
@@ -437,6 +447,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_persistent=_t_gpu_set_matvec_persistent,
     gpu_set_matvec_tall_stages=_t_gpu_set_matvec_tall_stages,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
+    gpu_set_matvec_grouped_groups=_t_gpu_set_matvec_grouped_groups,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
     gpu_swiglu=_t_gpu_swiglu,

@@ -100,6 +100,9 @@ void set_matvec_tall_stages(int stages);
 // width, matvec.cuh) as one number: a CUDA graph bakes in the kernels chosen at its capture, so
 // the engine keys its graphs by it.
 int matvec_settings_key();
+// The own grouped kernel's row groups a warp streams (matvec.cuh set_matvec_grouped_groups); the
+// engine keys its graphs by it too.
+int matvec_grouped_groups();
 
 // Y[i] = X[i] * rsqrt(mean(X[i]^2) + eps) * w (w may be null), rows i < n_rows of n elements; the
 // sum of squares in double, as the CPU does. planes given (n % 32 == 0): also Y[i]'s planes for the
@@ -143,7 +146,11 @@ void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols,
 void set_matvec_chunked(bool on);
 void set_matvec_persistent(bool on);
 void set_matvec_tall_stages(int stages);
-void set_matvec_grouped(int variant);
+// variant as ds4::gpu::set_matvec_grouped's; stages 2..4 the own kernel's copy stages, width 1, 2,
+// 4 or 8 its widest sub-part (each 0: keep, -1: the default).
+void set_matvec_grouped(int variant, int stages = 0, int width = 0);
+// ds4::gpu::set_matvec_grouped_groups (matvec.cuh; -1: the default); returns the row groups now.
+int set_matvec_grouped_groups(int groups);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
 void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
@@ -175,7 +182,8 @@ inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, co
 inline void set_matvec_chunked(bool) { no_backend(); }
 inline void set_matvec_persistent(bool) { no_backend(); }
 inline void set_matvec_tall_stages(int) { no_backend(); }
-inline void set_matvec_grouped(int) { no_backend(); }
+inline void set_matvec_grouped(int, int = 0, int = 0) { no_backend(); }
+inline int set_matvec_grouped_groups(int) { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
 inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }

@@ -15,6 +15,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <type_traits>
 #include <string>
 #include <utility>
 
@@ -491,7 +492,10 @@ int staged_pieces(const TensorView& W, int nc, int staged_min) {
 // 21% faster, and it matches or beats kGroupedOwnFast; ext/gpu/README.md "Pass 6: outcome") or
 // kGroupedOwnFast, all the same bits; DS4_GPU_MV_GROUPED=0|1|2 sets it,
 // DS4_GPU_MV_GROUPED_STAGES=2..4 the own kernel's copy stages (default 3) and
-// DS4_GPU_MV_GROUPED_WIDTH=4|8 its widest sub-part (default 4).
+// DS4_GPU_MV_GROUPED_WIDTH=1|2|4|8 its widest sub-part (default 1 since pass 14: the 1-column body
+// has 99 registers against 227 for the 4-column one, so 4 blocks an SM instead of 2; a part of
+// several columns then runs column by column, its rows re-read from L2: C = 2-8 +9-22%, prompt
+// steps of 8-64 rows +23-25%, ext/gpu/README.md "Pass 14").
 std::atomic<int> g_grouped{-1}, g_grouped_stages{-1}, g_grouped_width{-1};  // -1: not read yet
 
 int env_int(const char* name, int lo, int hi, int fallback) {
@@ -520,10 +524,22 @@ int grouped_stages_now() {
   return v;
 }
 
+// The own kernel's row groups a warp streams (matvec.cuh set_matvec_grouped_groups): the setter's
+// value, else DS4_GPU_MV_GROUPED_GROUPS=N, else 0: chosen per launch (grouped_own_groups).
+std::atomic<int> g_grouped_groups{-1};  // -1: the environment or the default
+
+int grouped_groups_now() {
+  const int v = g_grouped_groups.load(std::memory_order_relaxed);
+  if (v >= 0) return v;
+  static const int env = env_int("DS4_GPU_MV_GROUPED_GROUPS", 1, kGroupedMaxGroups, 0);
+  return env;
+}
+
 int grouped_width_now() {
   int v = g_grouped_width.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = env_int("DS4_GPU_MV_GROUPED_WIDTH", 4, 8, 4) > 4 ? 8 : 4;
+    v = env_int("DS4_GPU_MV_GROUPED_WIDTH", 1, 8, 1);
+    v = v >= 8 ? 8 : v >= 4 ? 4 : v >= 2 ? 2 : 1;
     g_grouped_width.store(v, std::memory_order_relaxed);
   }
   return v;
@@ -543,14 +559,16 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const int64_t rows = W.ne[1];
   const int stages = grouped_stages_now();
   // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
-  const int64_t block_rows = grouped_own_block_rows(MAXC, false);
+  const int groups = grouped_own_groups((rows + grouped_own_block_rows(MAXC, false) - 1) /
+                                        grouped_own_block_rows(MAXC, false) * max_parts);
+  const int64_t block_rows = grouped_own_block_rows(MAXC, false) * static_cast<int64_t>(groups);
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   auto go = [&](auto kernel) {
     launch(kernel, grid, kMatvecThreads, smem, s, W.data, nullptr, W.row_bytes() * rows, W.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y},
-           ldy, stages, gp.data, gp.ldp);
+           ldy, stages, groups, gp.data, gp.ldp);
   };
   if (gp.data != nullptr) go(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore, true>);
   else if (fast) go(matvec_grouped_own_kernel<MAXC, KS, true, GroupedStore>);
@@ -591,11 +609,15 @@ void launch_grouped_maxc(const TensorView& W, int64_t units, const ExpertPart* p
                          float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   // The own kernel (pass 6) where it is switched on and takes the matrix, sized for min(MAXC, width).
   if constexpr (T == kQ4_K) {
-    const bool own = (MAXC <= 4 || grouped_width_now() >= 8)
-                         ? launch_grouped_own_maxc<T, MAXC>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row,
-                                                            X, ldx, Y, ldy, s, gp)
-                         : launch_grouped_own_maxc<T, 4>(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, X,
-                                                         ldx, Y, ldy, s, gp);
+    const int w = std::min(MAXC, grouped_width_now());
+    auto own_w = [&](auto maxc) {
+      return launch_grouped_own_maxc<T, decltype(maxc)::value>(W, units, parts, n_parts, max_parts, sorted_pairs,
+                                                                x_row, X, ldx, Y, ldy, s, gp);
+    };
+    const bool own = w >= 8   ? own_w(std::integral_constant<int, (MAXC < 8 ? MAXC : 8)>{})
+                     : w >= 4 ? own_w(std::integral_constant<int, (MAXC < 4 ? MAXC : 4)>{})
+                     : w >= 2 ? own_w(std::integral_constant<int, (MAXC < 2 ? MAXC : 2)>{})
+                              : own_w(std::integral_constant<int, 1>{});
     if (own) return;
   }
   const int64_t rows = W.ne[1];
@@ -969,10 +991,11 @@ void set_matvec_persistent(bool on) { g_persistent.store(on ? 1 : 0, std::memory
 void set_matvec_grouped(int variant, int stages, int width) {
   if (variant < kGroupedPass5 || variant > kGroupedOwnFast)
     throw std::invalid_argument("set_matvec_grouped: variant must be 0 (pass 5), 1 (own body) or 2 (own body, one-fma decode)");
-  if (stages != 0 && (stages < 2 || stages > kGroupedMaxStages))
-    throw std::invalid_argument("set_matvec_grouped: stages must be 2.." + std::to_string(kGroupedMaxStages) + " (0: keep)");
-  if (width != 0 && width != 4 && width != 8)
-    throw std::invalid_argument("set_matvec_grouped: width must be 4 or 8 (0: keep)");
+  if (stages != 0 && stages != -1 && (stages < 2 || stages > kGroupedMaxStages))
+    throw std::invalid_argument("set_matvec_grouped: stages must be 2.." + std::to_string(kGroupedMaxStages) +
+                                " (0: keep, -1: the default)");
+  if (width != 0 && width != -1 && width != 1 && width != 2 && width != 4 && width != 8)
+    throw std::invalid_argument("set_matvec_grouped: width must be 1, 2, 4 or 8 (0: keep, -1: the default)");
   g_grouped.store(variant, std::memory_order_relaxed);
   if (stages != 0) g_grouped_stages.store(stages, std::memory_order_relaxed);
   if (width != 0) g_grouped_width.store(width, std::memory_order_relaxed);
@@ -1039,6 +1062,27 @@ int matvec_staged_pieces(const TensorView& W, int nc, int staged_min) { return s
 
 int matvec_grouped_variant() { return grouped_variant_now(); }
 int matvec_grouped_stages() { return grouped_stages_now(); }
+int matvec_grouped_groups() { return grouped_groups_now(); }
+
+
+int grouped_own_groups(int64_t blocks) {
+  const int set = grouped_groups_now();
+  if (set > 0) return set;
+  // Automatic: 4 row groups a warp, halved while the launch would have fewer than 4 blocks an SM
+  // (pass 14, flash-l4 on the H200, 4-column body: 4 gave C = 2-8 +4-10%; at C=1, 6 parts, 4 left
+  // SMs short of warps, -1%, and 2 matched 1).
+  const int64_t least = 4 * static_cast<int64_t>(std::max(device_sms(), 1));
+  int g = 4;
+  while (g > 1 && (blocks + g - 1) / g < least) g /= 2;
+  return g;
+}
+
+void set_matvec_grouped_groups(int groups) {
+  if (groups < -1 || groups > kGroupedMaxGroups)
+    throw std::invalid_argument("set_matvec_grouped_groups: groups must be 1.." + std::to_string(kGroupedMaxGroups) +
+                                " (0: chosen per launch; -1: DS4_GPU_MV_GROUPED_GROUPS or 0)");
+  g_grouped_groups.store(groups, std::memory_order_relaxed);
+}
 int matvec_grouped_width() { return grouped_width_now(); }
 
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,

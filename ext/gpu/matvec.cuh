@@ -888,13 +888,24 @@ constexpr int kGroupedMaxStages = 4;
 
 // Host side (matvec.cu): which grouped kernel Q4_K products take (kGroupedPass5, kGroupedOwn,
 // kGroupedOwnFast; all give the same bits), the own kernel's copy stages (2..4) and the widest
-// sub-part it runs at once (4 or 8: wider parts run in pieces, re-reading their weights, so that
-// the kernel's registers, which its widest body sets, stay few for the narrow parts that make up
-// most of a step); 0 keeps a value. Process-wide, read at launch (a graph keeps what it captured).
+// sub-part it runs at once (1, 2, 4 or 8: wider parts run in pieces, re-reading their weights, so
+// that the kernel's registers, which its widest body sets, stay few for the narrow parts that make
+// up most of a step); 0 keeps a value, -1 goes back to the environment's or the default.
+// Process-wide, read at launch (a graph keeps what it captured).
 void set_matvec_grouped(int variant, int stages = 0, int width = 0);
 int matvec_grouped_variant();
 int matvec_grouped_stages();
 int matvec_grouped_width();
+// The own kernel's row groups a warp streams in one copy stream (1..kGroupedMaxGroups; 0: chosen
+// per launch by grouped_own_groups; -1: back to DS4_GPU_MV_GROUPED_GROUPS=N, else 0): a block then
+// covers that many times the rows, and each warp's copies run on from one row group's last pass
+// into the next one's first instead of each row group starting its stream anew. Which warp computes
+// a row changes; its arithmetic does not.
+constexpr int kGroupedMaxGroups = 16;
+void set_matvec_grouped_groups(int groups);
+int matvec_grouped_groups();  // the setting (0: per launch)
+// The row groups a launch of the own kernel takes that would have `blocks` blocks with one.
+int grouped_own_groups(int64_t blocks);
 
 // The (d*sc, dmin*m) pairs of the two sub-blocks of unit position c (0..3) of a Q4_K block whose
 // first 16 bytes are the words dd, s0, s1, s2: sub-blocks 2c and 2c + 1 use bytes 2 (c & 1) and
@@ -1055,14 +1066,16 @@ struct GroupedStore {
 };
 
 // NC columns (pairs[0..NC) of a part: Y row pairs[c], X row x_row[pairs[c]], or pairs[c] when
-// x_row is null) of rows r0 .. r0 + H of expert matrix We (and, Store::kPair, of We2), H = R or
-// R/2 (R = grouped_own_rows_nc(NC) row slots); buf: this warp's stages x R chunks. Row slot r
-// holds row r0 + r of We, or (kPair, r >= H) row r0 + r - H of We2: a slot's arithmetic is the
-// same whichever matrix it reads, so every sum has the bits of the one-product body.
+// x_row is null) of ng row groups, group g rows rg .. rg + H (rg = r0 + g r_step, each below rows)
+// of expert matrix We (and, Store::kPair, of We2), H = R or R/2 (R = grouped_own_rows_nc(NC) row
+// slots); buf: this warp's stages x R chunks. Row slot r holds row rg + r of We, or (kPair, r >= H)
+// row rg + r - H of We2: a slot's arithmetic is the same whichever matrix it reads, so every sum has
+// the bits of the one-product body. One copy stream serves the groups in turn: the passes of group
+// g + 1 are in flight while the warp computes group g's last ones.
 // PL: the integer products, X's planes (xplanes.cuh) at planes + (X row) * ldp.
 template <int NC, int KS, bool FAST, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We, const uint8_t* __restrict__ We2,
-                                                 int64_t row_bytes, int rows, int r0, int units,
+                                                 int64_t row_bytes, int rows, int r0, int r_step, int ng, int units,
                                                  const int32_t* __restrict__ pairs, const int32_t* __restrict__ x_row,
                                                  const float* __restrict__ X, int64_t ldx, const Store& store,
                                                  int64_t ldy, uint8_t* buf, int stages,
@@ -1077,22 +1090,22 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
   // copies the 16-byte vectors l and l + 32 of each chunk (a chunk is at most 36 vectors).
   const uint8_t* src_l = We + 16 * lane;
   const uint8_t* src2_l = (Store::kPair ? We2 : We) + 16 * lane;
-  int row_off[R];  // the launcher keeps an expert matrix below 2^31 bytes
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    const int row = r0 + (r < H ? r : r - H);
-    row_off[r] = (row < rows ? row : rows - 1) * static_cast<int>(row_bytes);
-  }
   const int passes = (units + DS4_WARP - 1) / DS4_WARP;
-  // Pass q of every row into stage st, one commit group.
-  auto issue = [&](int q, int st) {
-    if (q < passes) {
+  // Pass f of the warp's stream (pass f % passes of row group f / passes, whose first row is
+  // r0 + (f / passes) r_step) into stage st, one commit group. The launcher keeps an expert matrix
+  // below 2^31 bytes.
+  auto issue = [&](int f, int st) {
+    if (f < ng * passes) {
+      const int g = f / passes, q = f - g * passes;
+      const int rg = r0 + g * r_step;
       const int left = units - q * DS4_WARP;
       const int nvec = (left < DS4_WARP ? left : DS4_WARP) * UB / 16;  // units % 8 == 0: whole vectors
       uint8_t* dst = buf + st * R * CB + 16 * lane;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const uint8_t* src = (r < H ? src_l : src2_l) + row_off[r] + q * CB;
+        const int row = rg + (r < H ? r : r - H);
+        const int row_off = (row < rows ? row : rows - 1) * static_cast<int>(row_bytes);
+        const uint8_t* src = (r < H ? src_l : src2_l) + row_off + q * CB;
         if (lane < nvec) ds4_cp_async16(dst + r * CB, src);
         if (lane + DS4_WARP < nvec) ds4_cp_async16(dst + r * CB + 16 * DS4_WARP, src + 16 * DS4_WARP);
       }
@@ -1100,7 +1113,7 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
     ds4_cp_async_commit();  // an empty group past the end keeps the count right
   };
   // The stream starts before the column indices are read (they do not gate the copies).
-  for (int q = 0; q < stages - 1; ++q) issue(q, q);
+  for (int f = 0; f < stages - 1; ++f) issue(f, f);
 
   // Lane l's elements of pass q (unit u = 32 q + l, so u >> 3 = 4 q + (l >> 3) and c, h from l):
   // k = Unit<kQ4_K>::k_of(u, g) = 1024 q + 256 (l >> 3) + 64 c + 16 h + q4k_group_k(g).
@@ -1117,117 +1130,123 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
   const int cpos = (lane >> 1) & 3;
   const int head_off = 144 * (lane >> 3), qs_off = head_off + 16 + 16 * (lane & 7);
 
-  float acc[KS][R][NC];
+  int st = 0;  // the stage stream pass f is in (f % stages)
+  int f = 0;   // the stream pass being computed (g passes + q)
+#pragma unroll 1
+  for (int g = 0; g < ng; ++g) {
+    const int rg = r0 + g * r_step;
+    float acc[KS][R][NC];
 #pragma unroll
-  for (int s = 0; s < KS; ++s)
+    for (int s = 0; s < KS; ++s)
 #pragma unroll
-    for (int r = 0; r < R; ++r)
+      for (int r = 0; r < R; ++r)
 #pragma unroll
-      for (int c = 0; c < NC; ++c) acc[s][r][c] = 0.0f;
+        for (int c = 0; c < NC; ++c) acc[s][r][c] = 0.0f;
 
-  int st = 0;  // the stage pass q is in (q % stages)
-  for (int q0 = 0; q0 < passes; q0 += KS) {
+    for (int q0 = 0; q0 < passes; q0 += KS) {
 #pragma unroll
-    for (int s = 0; s < KS; ++s) {
-      const int q = q0 + s;
-      if (q < passes) {
-        int st_issue = st + stages - 1;  // pass q + stages - 1 goes where pass q - 1 was
-        if (st_issue >= stages) st_issue -= stages;
-        issue(q + stages - 1, st_issue);
-        grouped_own_wait(stages);
-        ds4_syncwarp();
-        if (lane < units - q * DS4_WARP) {
-          const uint8_t* chunk = buf + st * R * CB;
-          uint4 qs[R];
-          float dl0[R], a0[R], dl1[R], a1[R];  // two-fma form: dl, -ml
-          float m0[R], c0[R], m1[R], c1[R];    // FAST: 2 dl, C = -ml - 16 dl
-          bool fast = FAST;
+      for (int s = 0; s < KS; ++s) {
+        const int q = q0 + s;
+        if (q < passes) {
+          int st_issue = st + stages - 1;  // stream pass f + stages - 1 goes where pass f - 1 was
+          if (st_issue >= stages) st_issue -= stages;
+          issue(f + stages - 1, st_issue);
+          grouped_own_wait(stages);
+          ds4_syncwarp();
+          if (lane < units - q * DS4_WARP) {
+            const uint8_t* chunk = buf + st * R * CB;
+            uint4 qs[R];
+            float dl0[R], a0[R], dl1[R], a1[R];  // two-fma form: dl, -ml
+            float m0[R], c0[R], m1[R], c1[R];    // FAST: 2 dl, C = -ml - 16 dl
+            bool fast = FAST;
 #pragma unroll
-          for (int r = 0; r < R; ++r) {
-            const uint4 head = *reinterpret_cast<const uint4*>(chunk + r * CB + head_off);
-            qs[r] = *reinterpret_cast<const uint4*>(chunk + r * CB + qs_off);
-            float ml0, ml1;
-            q4k_unit_scales(head.x, head.y, head.z, head.w, cpos, &dl0[r], &ml0, &dl1[r], &ml1);
-            a0[r] = -ml0;
-            a1[r] = -ml1;
-            if (FAST) {
-              const bool e0 = q4k_fast_addend(dl0[r], ml0, &c0[r]), e1 = q4k_fast_addend(dl1[r], ml1, &c1[r]);
-              fast = fast && (head.x & 0x80008000u) == 0u && e0 && e1;
-              m0[r] = 2.0f * dl0[r];  // exact
-              m1[r] = 2.0f * dl1[r];
+            for (int r = 0; r < R; ++r) {
+              const uint4 head = *reinterpret_cast<const uint4*>(chunk + r * CB + head_off);
+              qs[r] = *reinterpret_cast<const uint4*>(chunk + r * CB + qs_off);
+              float ml0, ml1;
+              q4k_unit_scales(head.x, head.y, head.z, head.w, cpos, &dl0[r], &ml0, &dl1[r], &ml1);
+              a0[r] = -ml0;
+              a1[r] = -ml1;
+              if (FAST) {
+                const bool e0 = q4k_fast_addend(dl0[r], ml0, &c0[r]), e1 = q4k_fast_addend(dl1[r], ml1, &c1[r]);
+                fast = fast && (head.x & 0x80008000u) == 0u && e0 && e1;
+                m0[r] = 2.0f * dl0[r];  // exact
+                m1[r] = 2.0f * dl1[r];
+              }
+            }
+            if constexpr (PL) {
+              const uint8_t* rq[NC];
+              float ml0[R], ml1[R];
+#pragma unroll
+              for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
+#pragma unroll
+              for (int r = 0; r < R; ++r) ml0[r] = -a0[r], ml1[r] = -a1[r];
+              grouped_own_apply_planes<R, NC>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, acc[s]);
+            } else {
+              const float* xq[NC];
+#pragma unroll
+              for (int c = 0; c < NC; ++c) xq[c] = xp[c] + 1024 * q;
+              // One form for all R rows of the lane's pass: the one-fma form only where every row allows it.
+              if (FAST && fast) grouped_own_apply<true, R, NC>(qs, m0, c0, m1, c1, xq, acc[s]);
+              else grouped_own_apply<false, R, NC>(qs, dl0, a0, dl1, a1, xq, acc[s]);
             }
           }
-          if constexpr (PL) {
-            const uint8_t* rq[NC];
-            float ml0[R], ml1[R];
-#pragma unroll
-            for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
-#pragma unroll
-            for (int r = 0; r < R; ++r) ml0[r] = -a0[r], ml1[r] = -a1[r];
-            grouped_own_apply_planes<R, NC>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, acc[s]);
-          } else {
-            const float* xq[NC];
-#pragma unroll
-            for (int c = 0; c < NC; ++c) xq[c] = xp[c] + 1024 * q;
-            // One form for all R rows of the lane's pass: the one-fma form only where every row allows it.
-            if (FAST && fast) grouped_own_apply<true, R, NC>(qs, m0, c0, m1, c1, xq, acc[s]);
-            else grouped_own_apply<false, R, NC>(qs, dl0, a0, dl1, a1, xq, acc[s]);
-          }
+          ds4_syncwarp();  // every lane is done with stage st before it is filled again
+          st = st + 1 == stages ? 0 : st + 1;
+          ++f;
         }
-        ds4_syncwarp();  // every lane is done with stage st before it is filled again
-        st = st + 1 == stages ? 0 : st + 1;
       }
     }
-  }
 
-  // Each k-slice's sums by the butterfly, added as the k-slice tree adds them; then the store.
-  // (warp_sum leaves every lane the same bits, so any lane may store.)
-  auto sum = [&](int r, int c) {
-    float v = warp_sum(acc[0][r][c]);
-    if constexpr (KS == 2) v = v + warp_sum(acc[1][r][c]);
-    return v;
-  };
+    // Each k-slice's sums by the butterfly, added as the k-slice tree adds them; then the store.
+    // (warp_sum leaves every lane the same bits, so any lane may store.)
+    auto sum = [&](int r, int c) {
+      float v = warp_sum(acc[0][r][c]);
+      if constexpr (KS == 2) v = v + warp_sum(acc[1][r][c]);
+      return v;
+    };
 #pragma unroll
-  for (int r = 0; r < H; ++r)
+    for (int r = 0; r < H; ++r)
 #pragma unroll
-    for (int c = 0; c < NC; ++c) {
-      const float v = sum(r, c);
-      if constexpr (Store::kPair) {
-        const float v2 = sum(r + H, c);
-        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows)
-          store(static_cast<int64_t>(pairs[c]) * ldy + r0 + r, v, v2);
-      } else {
-        if (lane == (r * NC + c) % DS4_WARP && r0 + r < rows) store(static_cast<int64_t>(pairs[c]) * ldy + r0 + r, v);
+      for (int c = 0; c < NC; ++c) {
+        const float v = sum(r, c);
+        if constexpr (Store::kPair) {
+          const float v2 = sum(r + H, c);
+          if (lane == (r * NC + c) % DS4_WARP && rg + r < rows)
+            store(static_cast<int64_t>(pairs[c]) * ldy + rg + r, v, v2);
+        } else {
+          if (lane == (r * NC + c) % DS4_WARP && rg + r < rows) store(static_cast<int64_t>(pairs[c]) * ldy + rg + r, v);
+        }
       }
-    }
+  }
 }
 
 // Columns pairs[0..nc) of a part with nc <= NC, dispatched to the body compiled for nc, over the
-// block's RM * 4 row slots: warp w takes slots (4 g + w) R .. + R of them for g = 0 .. RM / R - 1
-// (R the body's rows per warp), so every width covers the same rows with the same blocks. A slot
-// is a row (one product) or, Store::kPair, half a row of each product: a block then covers
-// RM * 2 rows of both.
+// block's groups * RM * 4 row slots: warp w takes slots (4 g + w) R .. + R of them for g = 0 ..
+// groups * RM / R - 1 (R the body's rows per warp) in one copy stream, so every width covers the
+// same rows with the same blocks. A slot is a row (one product) or, Store::kPair, half a row of
+// each product: a block then covers groups * RM * 2 rows of both.
 template <int NC, int KS, bool FAST, int RM, class Store, bool PL>
 __device__ __forceinline__ void grouped_own_nc(int nc, const uint8_t* We, const uint8_t* We2, int64_t row_bytes,
                                                int rows, int units, const int32_t* pairs, const int32_t* x_row,
                                                const float* X, int64_t ldx, const Store& store, int64_t ldy,
-                                               uint8_t* buf, int stages, const uint8_t* planes, int64_t ldp) {
+                                               uint8_t* buf, int stages, int groups, const uint8_t* planes,
+                                               int64_t ldp) {
   if (nc == NC) {
     constexpr int R = grouped_own_rows_nc(NC);
     static_assert(RM % R == 0, "a block's rows are whole row groups of every width");
     constexpr int H = Store::kPair ? R / 2 : R, HM = Store::kPair ? RM / 2 : RM;
     const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
-    const int b0 = static_cast<int>(blockIdx.x) * kMatvecWarps * HM;
-#pragma unroll 1
-    for (int g = 0; g < RM / R; ++g) {
-      const int r0 = b0 + (g * kMatvecWarps + warp) * H;
-      if (r0 >= rows) break;  // no barrier follows: no other warp waits for this one
-      grouped_own_part<NC, KS, FAST, Store, PL>(We, We2, row_bytes, rows, r0, units, pairs, x_row, X, ldx, store, ldy,
-                                                buf, stages, planes, ldp);
-    }
+    const int r0 = static_cast<int>(blockIdx.x) * kMatvecWarps * HM * groups + warp * H;
+    constexpr int step = kMatvecWarps * H;
+    if (r0 >= rows) return;  // no barrier follows: no other warp waits for this one
+    const int left = (rows - r0 + step - 1) / step;  // the warp's groups that start below rows
+    const int ng = groups * (RM / R) < left ? groups * (RM / R) : left;
+    grouped_own_part<NC, KS, FAST, Store, PL>(We, We2, row_bytes, rows, r0, step, ng, units, pairs, x_row, X, ldx,
+                                              store, ldy, buf, stages, planes, ldp);
   } else if constexpr (NC > 1) {
     grouped_own_nc<NC - 1, KS, FAST, RM, Store, PL>(nc, We, We2, row_bytes, rows, units, pairs, x_row, X, ldx, store,
-                                                    ldy, buf, stages, planes, ldp);
+                                                    ldy, buf, stages, groups, planes, ldp);
   }
 }
 
@@ -1237,8 +1256,8 @@ __host__ __device__ constexpr int grouped_own_block_rows(int maxc, bool pair) {
 }
 
 // The grouped product of matvec_grouped_kernel (same parts, same pairs, same bits) with the own
-// body above: block (x, p) runs rows [B x, B (x + 1)) of part p (B = grouped_own_block_rows) in
-// sub-parts of at most MAXC columns, each warp its own rows. Parts past *n_parts exit. W2: the
+// body above: block (x, p) runs rows [B x, B (x + 1)) of part p (B = groups * grouped_own_block_rows)
+// in sub-parts of at most MAXC columns, each warp its own rows. Parts past *n_parts exit. W2: the
 // second stack of a paired store (same shape as W; unused otherwise).
 #ifndef DS4_MV_OWN_MINB
 #define DS4_MV_OWN_MINB 1
@@ -1250,8 +1269,8 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
                               int64_t row_bytes, int rows, int units, const ExpertPartDev* __restrict__ parts,
                               const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                               const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
-                              const Store store, int64_t ldy, int stages, const uint8_t* __restrict__ planes,
-                              int64_t ldp) {
+                              const Store store, int64_t ldy, int stages, int groups,
+                              const uint8_t* __restrict__ planes, int64_t ldp) {
   ds4_grid_begin();
   extern __shared__ __align__(16) uint8_t grouped_own_buf[];
   const int p = static_cast<int>(blockIdx.y);
@@ -1266,7 +1285,7 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
     const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
     grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC), Store, PL>(nc, We, We2, row_bytes, rows, units,
                                                                        sorted_pairs + pt.first + c0, x_row, X, ldx,
-                                                                       store, ldy, buf, stages, planes, ldp);
+                                                                       store, ldy, buf, stages, groups, planes, ldp);
   }
 }
 

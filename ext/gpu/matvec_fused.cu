@@ -212,7 +212,9 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
                       const PlanesLease& planes) {
   const int64_t rows = Wg.ne[1];
   const int stages = matvec_grouped_stages();
-  const int64_t block_rows = grouped_own_block_rows(MAXC, true);
+  const int groups = grouped_own_groups((rows + grouped_own_block_rows(MAXC, true) - 1) /
+                                        grouped_own_block_rows(MAXC, true) * max_parts);
+  const int64_t block_rows = grouped_own_block_rows(MAXC, true) * static_cast<int64_t>(groups);
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
@@ -220,7 +222,7 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
   auto go = [&](auto kernel) {
     launch(kernel, grid, kMatvecThreads, smem, s, Wg.data, Wu.data, expert_bytes, Wg.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, store, ldy,
-           stages, planes.data, planes.ldp);
+           stages, groups, planes.data, planes.ldp);
   };
   const bool pl = planes.data != nullptr;
   if (ks == 1) {
@@ -372,6 +374,7 @@ bool matvec_grouped_pair(const TensorView& Wg, const TensorView& Wu, const Exper
     if (x_rows <= 0) return false;
     planes = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, Wg.ne[0], scratch, s);
   }
+  max_cols = std::min(max_cols, matvec_grouped_width());  // wider parts run in pieces
   if (max_cols <= 1)
     return launch_pair_maxc<1>(Wg, Wu, units, ks, parts, n_parts, max_parts, sorted_pairs, x_row, X, ldx, store, ldy, s,
                                planes);

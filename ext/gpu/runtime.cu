@@ -162,7 +162,13 @@ void set_matvec_persistent(bool on) { ds4::gpu::set_matvec_persistent(on); }
 
 void set_matvec_tall_stages(int stages) { ds4::gpu::set_matvec_tall_stages(stages); }
 
-void set_matvec_grouped(int variant) { ds4::gpu::set_matvec_grouped(variant); }
+void set_matvec_grouped(int variant, int stages, int width) {
+  ds4::gpu::set_matvec_grouped(variant, stages, width);
+}
+int set_matvec_grouped_groups(int groups) {
+  ds4::gpu::set_matvec_grouped_groups(groups);
+  return ds4::gpu::matvec_grouped_groups();
+}
 
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps) {
   if (n_rows <= 0) return;

@@ -51,7 +51,8 @@ def restore_switches():
     yield
     T.gpu_set_matvec_fuse(True)
     T.gpu_set_matvec_chunked(True)
-    T.gpu_set_matvec_grouped(1)
+    T.gpu_set_matvec_grouped(1, -1, -1)
+    T.gpu_set_matvec_grouped_groups(-1)
 
 
 # --- matvec_multi ---------------------------------------------------------------------------------
@@ -230,6 +231,39 @@ def test_grouped_pair_serves_the_default_variant_only(variant: int, restore_swit
         assert np.array_equal(bits(got), bits(want)), (variant, fuse)
 
 
+@pytest.mark.parametrize("ne0, ne1, n_expert", [(256, 256, 8), (2048, 203, 4), (1024, 2056, 6), (2048, 4096, 3)],
+                         ids=["tiny", "ks2-partial", "ks1-tall", "down"])
+def test_grouped_row_groups_keep_the_bits(ne0: int, ne1: int, n_expert: int, restore_switches) -> None:
+    """The own kernel's warps streaming 2, 3, 5 or 16 row groups in one copy stream (fewer, taller
+    blocks; the last block's warps fewer groups, some none), or as many as each launch chooses, its
+    widest sub-part 1 or 2 (wider parts in pieces) give every output the bits of one row group a
+    warp, for the single product and the gate/up pair, at every kernel width."""
+    rng = np.random.default_rng()
+    raw_g, raw_u = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng), tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    for n_lanes, per_lane, repeats in ((1, 3, False), (7, 3, True)):
+        x = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+        pe, xr = routing(n_lanes, min(per_lane, n_expert), n_expert, rng, repeats)
+        for max_cols in (1, 2, 4, 8):
+            assert T.gpu_set_matvec_grouped_groups(1) == 1
+            want = T.gpu_matmul_grouped(Q4_K, raw_g, ne0, ne1, n_expert, x, pe, xr, 8, max_cols)
+            want_g, want_u, fused = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8,
+                                                              max_cols)
+            for groups, width in ((2, 4), (3, 4), (5, 4), (16, 4), (0, 4), (0, 1), (4, 2)):
+                assert T.gpu_set_matvec_grouped_groups(groups) == groups
+                T.gpu_set_matvec_grouped(1, 0, width)
+                y = T.gpu_matmul_grouped(Q4_K, raw_g, ne0, ne1, n_expert, x, pe, xr, 8, max_cols)
+                assert np.array_equal(bits(y), bits(want)), (n_lanes, max_cols, groups, width)
+                g, u, f = T.gpu_matmul_grouped_pair(Q4_K, raw_g, raw_u, ne0, ne1, n_expert, x, pe, xr, 8, max_cols)
+                assert f == fused
+                assert np.array_equal(bits(g), bits(want_g)) and np.array_equal(bits(u), bits(want_u)), \
+                    (n_lanes, max_cols, groups, width)
+                T.gpu_set_matvec_grouped(1, 0, -1)
+    with pytest.raises(ValueError, match="groups must be"):
+        T.gpu_set_matvec_grouped_groups(17)
+    with pytest.raises(ValueError, match="width must be"):
+        T.gpu_set_matvec_grouped(1, 0, 3)
+
+
 def test_grouped_pair_declines_other_types() -> None:
     rng = np.random.default_rng()
     ne0, ne1, n_expert = 512, 96, 4
@@ -277,21 +311,47 @@ def test_engine_logits_are_the_same_with_fusion_on_and_off(tiny_model_file, grap
          Seq(prompt(mf, 74, 41), slot=5, pages=[6, 7], start=1)],
         [Seq(prompt(mf, 75, 44), slot=2, pages=[8], rows=4)],
     ]
+    assert_same_under(mf, graphs, [lambda: T.gpu_set_matvec_fuse(False), lambda: T.gpu_set_matvec_fuse(True)])
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_engine_logits_are_the_same_with_row_groups(tiny_model_file, graphs: bool, restore_switches) -> None:
+    """The same cases with the own grouped kernel's warps streaming 1, 3 or 16 row groups or as many
+    as each launch chooses, with its widest sub-part 4, then 1: the logits are bit-identical; under
+    graphs each setting captures its own graphs (the graph key)."""
+    T.gpu_set_matvec_grouped(1, 0, 4)
+    assert_same_under(tiny_model_file, graphs,
+                      [lambda g=g: T.gpu_set_matvec_grouped_groups(g) for g in (1, 3, 16, 0)]
+                      + [lambda: T.gpu_set_matvec_grouped(1, 0, 1)])
+
+
+def assert_same_under(mf, graphs: bool, settings) -> None:
+    """40 decode steps at one lane, about 40 at three lanes (three slots), and a sequence fed 4 rows a
+    step, under each of `settings` (callables that set a switch) in turn: every setting's logits
+    equal the first one's, bit for bit; under graphs each setting captures new graphs."""
+    cases = [
+        [Seq(prompt(mf, 71, 40), slot=0, pages=[0, 1])],
+        [Seq(prompt(mf, 72, 44), slot=1, pages=[2, 3], rows=1),
+         Seq(prompt(mf, 73, 40), slot=3, pages=[4]),
+         Seq(prompt(mf, 74, 41), slot=5, pages=[6, 7], start=1)],
+        [Seq(prompt(mf, 75, 44), slot=2, pages=[8], rows=4)],
+    ]
     eng = gpu_engine(mf)
     eng.use_graphs = graphs
-    out = {}
+    out = []
     captured = eng.graphs_captured
-    for fuse in (False, True):
-        T.gpu_set_matvec_fuse(fuse)
-        out[fuse] = []
+    for setting in settings:
+        setting()
+        out.append([])
         for seqs in cases:
             for s in seqs:
                 eng.reset_slot(s.slot)
-            out[fuse].append(run(eng, seqs))
+            out[-1].append(run(eng, seqs))
         if graphs:
-            assert eng.graphs_captured > captured, "the fusion switch must capture new graphs"
+            assert eng.graphs_captured > captured, "the switch must capture new graphs"
             captured = eng.graphs_captured
-    for case, (off, on) in enumerate(zip(out[False], out[True])):
-        for k, (a, b) in enumerate(zip(off, on)):
-            assert np.isfinite(a).all()
-            assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
+    for n, other in enumerate(out[1:], 1):
+        for case, (first, then) in enumerate(zip(out[0], other)):
+            for k, (a, b) in enumerate(zip(first, then)):
+                assert np.isfinite(a).all()
+                assert np.array_equal(bits(a), bits(b)), f"setting {n}, case {case}, sequence {k}"
