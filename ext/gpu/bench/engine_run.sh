@@ -2,8 +2,11 @@
 # Everything one device call does for the GPU engine (ext/gpu/README.md, "Engine"):
 #   OUT=dir ext/gpu/bench/engine_run.sh [--no-bench] [--budget SECONDS] [--harness BINARY]
 #                                       [--harness-bench --bench-chunked|--bench-staged|--bench-grouped|--bench]
+#                                       [--bench-args "ENGINE_BENCH ARGS"] [--memcheck-tests FILE
+#                                       --memcheck-k EXPR] [--ncu C VARIANT REGEX]... [--no-racecheck]
 # 1. Python packages the image lacks, from carried wheels (.whl/, when present);
-# 2. the module: the carried cp312 build (build/gpu312/...), else built here (DS4_GPU=cuda, in place);
+# 2. the module: the carried cp312 build (build/gpu312/..., or packed by pack_module.sh into
+#    build/gpu312.tar.xz), else built here (DS4_GPU=cuda, in place);
 # 3. in the background, a flash-l4 model synthesized to /tmp/f.gguf (about 60 s, 16.7 GB);
 # 4. pytest tests/gpu (engine_check.py's per-variant diagnosis only when it fails);
 #    with --harness (a harness built by build.sh, carried): its --check, then its bench
@@ -11,15 +14,20 @@
 #    side by side; --bench-grouped: the grouped Q4_K kernel's pass-5 and pass-6 variants, compared
 #    bit for bit) into harness.json; --harness-bench without --harness takes the first carried
 #    build/gpu-harness/*/harness;
-# 5. compute-sanitizer memcheck on engine_check.py --quick (eager, then graphs + tall matvec);
-# 6. engine_bench.py on flash-l4: exactness of graphs and tall matvec bit for bit, prefill and
-#    decode C = 1, 2, 4, 8 in each mode with rooflines, a kernel profile;
-# 7. compute-sanitizer racecheck on engine_check.py --quick, with whatever the budget leaves.
+# 5. compute-sanitizer memcheck on engine_check.py --quick (eager, then graphs + tall matvec), and
+#    with --memcheck-tests on those pytest tests (-k --memcheck-k);
+# 6. engine_bench.py on flash-l4 (--bench-args: its options, e.g. --variants): exactness of graphs
+#    and tall matvec bit for bit, prefill and decode C = 1, 2, 4, 6, 8 in each mode (or variant)
+#    with rooflines, a kernel profile; then each --ncu: ncu (SpeedOfLight, Occupancy,
+#    WarpStateStats, LaunchStats) of the kernels matching REGEX in one eager decode step of C lanes
+#    under an engine_bench variant (ncu_step.py; "" for the defaults);
+# 7. compute-sanitizer racecheck on engine_check.py --quick, with whatever the budget leaves
+#    (--no-racecheck: not run).
 # The budget (default 330 s) bounds the whole script: each part's timeout is the smaller of its
 # own and what is left, so the call returns its logs before the device tool's limit.
 # Writes to $OUT (8 files at most): run.log (everything, the harness check too), pytest.txt,
-# check.txt (only on a failure), memcheck.txt, racecheck.txt, bench.json, bench.profile.txt,
-# harness.json.
+# check.txt (only on a failure), memcheck.txt, racecheck.txt, bench.json, harness.json, and
+# extra.tgz: the bench's profiles (bench.profile*.txt), the --memcheck-tests log, the ncu CSVs.
 set -uo pipefail
 cd "$(dirname "$0")/../../.."
 OUT=${OUT:-/tmp/ds4-gpu-out}
@@ -30,15 +38,29 @@ budget=330
 harness=
 harness_bench=--bench-chunked
 harness_bench_set=0
+bench_args=
+memcheck_tests=
+memcheck_k=
+racecheck=1
+ncu_runs=()  # C, variant, regex, C, variant, regex, ...
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
     --budget) budget=$2; shift ;;
     --harness) harness=$2; shift ;;
     --harness-bench) harness_bench=$2; harness_bench_set=1; shift ;;
+    --bench-args) bench_args=$2; shift ;;
+    --memcheck-tests) memcheck_tests=$2; shift ;;
+    --memcheck-k) memcheck_k=$2; shift ;;
+    --ncu) ncu_runs+=("$2" "$3" "$4"); shift 3 ;;
+    --no-racecheck) racecheck=0 ;;
+    *) echo "engine_run.sh: unknown option $1"; exit 2 ;;
   esac
   shift
 done
+extra=/tmp/ds4-run-extra  # what goes back in extra.tgz
+rm -rf "$extra"
+mkdir -p "$extra"
 if [ -z "$harness" ] && [ $harness_bench_set = 1 ]; then
   harness=$(ls build/gpu-harness/*/harness 2>/dev/null | head -1)
   [ -n "$harness" ] || echo "--harness-bench $harness_bench: no carried build/gpu-harness/*/harness"
@@ -64,6 +86,7 @@ if [ $bench = 1 ]; then
   synth_pid=$!
 fi
 so=build/gpu312/ds4_app/engine/_native.cpython-312-x86_64-linux-gnu.so
+[ -f build/gpu312.tar.xz ] && python3 -c "import tarfile; tarfile.open('build/gpu312.tar.xz').extractall('.')"
 [ -f "$so" ] && cp "$so" ds4_app/engine/
 if ! python3 -c "from ds4_app.engine import _native as n; assert n.gpu_available(), 'no device'" 2>/tmp/import.txt; then
   cat /tmp/import.txt
@@ -99,17 +122,40 @@ timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 9 python
   > "$OUT/memcheck.txt" 2>&1
 echo "memcheck exit $?"
 grep -m 20 -E "ERROR SUMMARY|Invalid|quick:|Error" "$OUT/memcheck.txt"
+if [ -n "$memcheck_tests" ]; then
+  echo "== compute-sanitizer memcheck ($memcheck_tests -k '$memcheck_k') ($((SECONDS - start)) s)"
+  timeout "$(left 90)" compute-sanitizer --tool memcheck --error-exitcode 9 python3 -m pytest "$memcheck_tests" -q \
+    -p no:cacheprovider ${memcheck_k:+-k "$memcheck_k"} > "$extra/memcheck_tests.txt" 2>&1
+  echo "memcheck exit $?"
+  grep -E "ERROR SUMMARY|passed|failed" "$extra/memcheck_tests.txt" | tail -3
+fi
 if [ $bench = 1 ]; then
   echo "== bench flash-l4 ($((SECONDS - start)) s)"
   wait $synth_pid
   tail -3 /tmp/synth.log
   ls -la /tmp/f.gguf
-  timeout "$(left 200)" python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --json "$OUT/bench.json"
+  # shellcheck disable=SC2086  # --bench-args is a list of options
+  timeout "$(left 200)" python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --json "$extra/bench.json" $bench_args
   echo "bench exit $?"
+  cp "$extra/bench.json" "$OUT/" 2>/dev/null
+  for ((i = 0; i < ${#ncu_runs[@]}; i += 3)); do
+    c=${ncu_runs[i]} variant=${ncu_runs[i + 1]} regex=${ncu_runs[i + 2]}
+    echo "== ncu C=$c [$variant] $regex ($((SECONDS - start)) s)"
+    timeout "$(left 90)" ncu --clock-control none --profile-from-start off --target-processes all \
+      --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --csv \
+      --page details -k "regex:$regex" python3 ext/gpu/bench/ncu_step.py /tmp/f.gguf "$c" --variant "$variant" \
+      > "$extra/ncu_$((i / 3))_c$c.csv" 2> "$extra/ncu_$((i / 3))_c$c.err"
+    echo "ncu exit $?"
+    gzip -f "$extra/ncu_$((i / 3))_c$c.csv"
+  done
 fi
-echo "== compute-sanitizer racecheck (engine_check --quick) ($((SECONDS - start)) s)"
-timeout "$(left 120)" compute-sanitizer --tool racecheck --error-exitcode 9 python3 ext/gpu/bench/engine_check.py --quick \
-  > "$OUT/racecheck.txt" 2>&1
-echo "racecheck exit $?"
-grep -m 20 -E "ERROR SUMMARY|RACECHECK SUMMARY|Race|hazard|quick:" "$OUT/racecheck.txt"
+if [ $racecheck = 1 ]; then
+  echo "== compute-sanitizer racecheck (engine_check --quick) ($((SECONDS - start)) s)"
+  timeout "$(left 120)" compute-sanitizer --tool racecheck --error-exitcode 9 python3 ext/gpu/bench/engine_check.py \
+    --quick > "$OUT/racecheck.txt" 2>&1
+  echo "racecheck exit $?"
+  grep -m 20 -E "ERROR SUMMARY|RACECHECK SUMMARY|Race|hazard|quick:" "$OUT/racecheck.txt"
+fi
+rm -f "$extra/bench.json"
+[ -n "$(ls -A "$extra")" ] && tar -czf "$OUT/extra.tgz" -C "$extra" .
 echo "== done in $((SECONDS - start)) s"
