@@ -303,15 +303,8 @@ def test_engine_logits_are_the_same_with_fusion_on_and_off(tiny_model_file, grap
     step: the logits with fusion on (one launch for u's products, for q_lat's, for the shared expert's gate
     and up, and the routed gate/up/SwiGLU) equal those with it off, bit for bit; under graphs the
     switch captures new graphs (it is part of the graph key)."""
-    mf = tiny_model_file
-    cases = [
-        [Seq(prompt(mf, 71, 40), slot=0, pages=[0, 1])],
-        [Seq(prompt(mf, 72, 44), slot=1, pages=[2, 3], rows=1),
-         Seq(prompt(mf, 73, 40), slot=3, pages=[4]),
-         Seq(prompt(mf, 74, 41), slot=5, pages=[6, 7], start=1)],
-        [Seq(prompt(mf, 75, 44), slot=2, pages=[8], rows=4)],
-    ]
-    assert_same_under(mf, graphs, [lambda: T.gpu_set_matvec_fuse(False), lambda: T.gpu_set_matvec_fuse(True)])
+    assert_same_under(tiny_model_file, graphs,
+                      [lambda: T.gpu_set_matvec_fuse(False), lambda: T.gpu_set_matvec_fuse(True)])
 
 
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
