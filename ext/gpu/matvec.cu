@@ -15,8 +15,8 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
-#include <type_traits>
 #include <string>
+#include <type_traits>
 #include <utility>
 
 #include "ds4_gpu.h"
@@ -559,8 +559,7 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const int64_t rows = W.ne[1];
   const int stages = grouped_stages_now();
   // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
-  const int groups = grouped_own_groups((rows + grouped_own_block_rows(MAXC, false) - 1) /
-                                        grouped_own_block_rows(MAXC, false) * max_parts);
+  const int groups = grouped_own_groups(rows, grouped_own_block_rows(MAXC, false), max_parts);
   const int64_t block_rows = grouped_own_block_rows(MAXC, false) * static_cast<int64_t>(groups);
   const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
@@ -1062,20 +1061,8 @@ int matvec_staged_pieces(const TensorView& W, int nc, int staged_min) { return s
 
 int matvec_grouped_variant() { return grouped_variant_now(); }
 int matvec_grouped_stages() { return grouped_stages_now(); }
+int matvec_grouped_width() { return grouped_width_now(); }
 int matvec_grouped_groups() { return grouped_groups_now(); }
-
-
-int grouped_own_groups(int64_t blocks) {
-  const int set = grouped_groups_now();
-  if (set > 0) return set;
-  // Automatic: 4 row groups a warp, halved while the launch would have fewer than 4 blocks an SM
-  // (pass 14, flash-l4 on the H200, 4-column body: 4 gave C = 2-8 +4-10%; at C=1, 6 parts, 4 left
-  // SMs short of warps, -1%, and 2 matched 1).
-  const int64_t least = 4 * static_cast<int64_t>(std::max(device_sms(), 1));
-  int g = 4;
-  while (g > 1 && (blocks + g - 1) / g < least) g /= 2;
-  return g;
-}
 
 void set_matvec_grouped_groups(int groups) {
   if (groups < -1 || groups > kGroupedMaxGroups)
@@ -1083,7 +1070,19 @@ void set_matvec_grouped_groups(int groups) {
                                 " (0: chosen per launch; -1: DS4_GPU_MV_GROUPED_GROUPS or 0)");
   g_grouped_groups.store(groups, std::memory_order_relaxed);
 }
-int matvec_grouped_width() { return grouped_width_now(); }
+
+int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts) {
+  const int set = grouped_groups_now();
+  if (set > 0) return set;
+  // Chosen per launch: 4 row groups a warp, halved while the launch would have fewer than 4 blocks
+  // an SM (pass 14, flash-l4 on the H200, 4-column body: 4 gave C = 2-8 +4-10%; at C=1, 6 parts, 4
+  // left SMs short of warps, -1%, and 2 matched 1).
+  const int64_t blocks = (rows + block_rows - 1) / block_rows * max_parts;
+  const int64_t least = 4 * static_cast<int64_t>(std::max(device_sms(), 1));
+  int g = 4;
+  while (g > 1 && (blocks + g - 1) / g < least) g /= 2;
+  return g;
+}
 
 void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t* n_parts, int max_parts,
                     const int32_t* sorted_pairs, const int32_t* x_row, const float* X, int64_t ldx, float* Y,

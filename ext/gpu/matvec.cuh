@@ -904,8 +904,9 @@ int matvec_grouped_width();
 constexpr int kGroupedMaxGroups = 16;
 void set_matvec_grouped_groups(int groups);
 int matvec_grouped_groups();  // the setting (0: per launch)
-// The row groups a launch of the own kernel takes that would have `blocks` blocks with one.
-int grouped_own_groups(int64_t blocks);
+// The row groups a launch of the own kernel over `rows` rows of max_parts parts takes, its blocks
+// covering block_rows rows each with one (grouped_own_block_rows).
+int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts);
 
 // The (d*sc, dmin*m) pairs of the two sub-blocks of unit position c (0..3) of a Q4_K block whose
 // first 16 bytes are the words dd, s0, s1, s2: sub-blocks 2c and 2c + 1 use bytes 2 (c & 1) and
