@@ -39,7 +39,8 @@ includes the plan upload, every kernel and the logits download). Method:
   branches (the KV side and the shared expert on a second stream), `owngroups=N` the row groups
   a warp of the own grouped Q4_K kernel streams in one copy stream (routed experts; 0 chosen per
   launch), `ownstages=N` that kernel's copy stages (2..4), `ownwidth=N` its widest sub-part (1, 2,
-  4, 8); joined
+  4, 8; setting these selects the own grouped kernel, so --variants runs it whatever
+  DS4_GPU_MV_GROUPED says); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
