@@ -55,7 +55,6 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int gpu_set_matvec_imma_tile "ds4::gpu::testing::set_matvec_imma_tile"(int rows) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -280,13 +279,6 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     return v // 4, bool(v & 1), bool(v & 2)
 
 
-def _t_gpu_set_matvec_imma_tile(int rows):
-    """The tensor-core Q8_0 kernel's narrow tile height: 64, 32 or 16 rows (-1: back to
-    DS4_GPU_MV_IMMA_TILE=N or the default), process-wide. The bits never depend on it. Returns the
-    height now."""
-    return int(gpu_set_matvec_imma_tile(rows))
-
-
 def _t_gpu_imma_launches():
     """Launches of the integer tensor-core kernel so far in this process."""
     return int(gpu_imma_launches())
@@ -466,7 +458,6 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
-    gpu_set_matvec_imma_tile=_t_gpu_set_matvec_imma_tile,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

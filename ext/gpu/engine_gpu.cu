@@ -216,8 +216,7 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups).
-  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, int, bool, bool, int>,
-           cudaGraphExec_t>
+  std::map<std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, bool, bool, int>, cudaGraphExec_t>
       graph_cache;
   int graphs_captured = 0;
 
@@ -954,8 +953,7 @@ void GpuEngine::Impl::run_graph() {
   const auto key = std::make_tuple(n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged,
                                    matvec_settings_key(), prefetch, matvec_imma(),
                                    matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
-                                   matvec_imma_persist(), matvec_imma_tile(), planes_fused(), branches,
-                                   matvec_grouped_groups());
+                                   matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups());
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

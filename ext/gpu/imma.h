@@ -42,13 +42,6 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// The narrow tile's height (imma_q8.cu NarrowTile): 64 rows (16 warps, 2 copy stages, one block an
-// SM: pass 13), 32 (8 warps, 3 stages, 2 blocks an SM) or 16 (4 warps, 4 stages, 3 blocks an SM):
-// DS4_GPU_MV_IMMA_TILE=16/32/64 (default kImmaDefaultTile), set_matvec_imma_tile (-1: back to the
-// environment or the default). The same bits at every height; graph key.
-constexpr int kImmaDefaultTile = 64;
-void set_matvec_imma_tile(int rows);
-int matvec_imma_tile();
 
 // Counts a launch of either kernel (testing::imma_launches).
 void imma_count_launch();

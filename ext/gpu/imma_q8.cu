@@ -33,15 +33,13 @@
 // a column's bits depend on nothing else in the call (tests/gpu/test_gpu_imma.py checks both).
 //
 // Layout of the work: block (x, y, z) = rows [32x, 32x + 32) x columns [32y, 32y + 32) of member
-// z (calls of at most 8 columns: rows [Hx, Hx + H) x 8 columns, H the narrow tile's height 64, 32
-// or 16, NarrowTile); 16 warps (narrow: 16, 8 or 4), each all of the block's outputs (2 m-tiles x 4
-// n-tiles; narrow H / 16 x 1) for its virtual lanes (2; narrow 2, 4 or 8). Per chunk of 32 units
-// the block copies each of its rows' 1088 bytes (cp.async, two stages; narrow 2, 3 or 4) into
-// shared memory; each warp reads the A fragments of its units from there and the B fragments (plane
-// words) and scales straight from global memory (L1/L2: every row block reads them); the narrow
-// tiles load them a chunk ahead (DS4_GPU_MV_IMMA_AHEAD), the wide one where they are used.
-// Bytes it must move: the weights once per 32 columns (narrow: 8), the planes once per 32 rows
-// (narrow: H) from L2, Y.
+// z (calls of at most 8 columns: rows [64x, 64x + 64) x 8 columns, ImmaShape); 16 warps, each all
+// 32 x 32 outputs (2 m-tiles x 4 n-tiles; or 4 x 1) for its two virtual lanes. Per chunk of 32
+// units the block copies each of its rows' 1088 bytes (cp.async, two stages) into shared memory;
+// each warp reads the A fragments of its units from there and the B fragments (plane words) and
+// scales straight from global memory (L1/L2: every row block reads them); the narrow tile loads
+// them a chunk ahead (DS4_GPU_MV_IMMA_AHEAD), the wide one where they are used.
+// Bytes it must move: the weights once per 32 columns, the planes once per 32 rows (from L2), Y.
 //
 // The k order inside an mma is a free choice (integers): k-slots 4t..4t+3 hold the unit's elements
 // 8t..8t+3 (plane word 2t) and k-slots 16+4t.. the elements 8t+4.. (word 2t+1), so a thread's B
@@ -50,7 +48,6 @@
 #include <atomic>
 #include <cstdlib>
 #include <stdexcept>
-#include <type_traits>
 
 #include "imma.h"
 #include "imma.cuh"
@@ -68,33 +65,26 @@ std::atomic<int> g_imma_grouped{-1};  // the same for the grouped threshold
 std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1: environment)
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
-std::atomic<int> g_imma_tile{-1};         // the narrow tile's height (-1: environment)
 std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
 
+constexpr int kImmaWarps = 16;
+constexpr int kImmaThreads = kImmaWarps * DS4_WARP;
 constexpr int kImmaChunk = 32 * 34;          // a row's bytes of one chunk of 32 units
 constexpr int kImmaPitch = kImmaChunk + 16;  // shared row pitch (spreads the banks)
 constexpr int kImmaMaxSlices = 4;
-constexpr int kSmPerSm = 233472;  // shared memory of an sm_90 SM, bytes (a block also takes 1 KB)
+static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
 
-// A block's tile: MT m-tiles (16 rows) x NT n-tiles (8 columns), every warp all of it, WARPS warps
-// (each the 32 / WARPS virtual lanes w, w + WARPS, ...) and NS copy stages. Wide calls take 32 x 32
-// (2, 4; 16 warps, 2 stages); calls of at most 8 columns one of the narrow tiles (NarrowTile), so a
-// decode step's few columns do not pay for 32.
-template <int MT, int NT, int WARPS = 16, int NS = 2>
+// A block's tile: MT m-tiles (16 rows) x NT n-tiles (8 columns), every warp all of it. Wide calls
+// take 32 x 32 (2, 4); calls of at most 8 columns 64 x 8 (4, 1), so a decode step's few columns do
+// not pay for 32.
+template <int MT, int NT>
 struct ImmaShape {
-  static constexpr int kWarps = WARPS, kThreads = WARPS * DS4_WARP, kLanes = DS4_WARP / WARPS, kStages = NS;
   static constexpr int kRows = 16 * MT, kCols = 8 * NT, kOut = kRows * kCols;
-  static constexpr int kPerThread = kOut / kThreads;  // outputs each thread adds up and stores
-  static constexpr int kStage = kRows * kImmaPitch;   // one copy stage
+  static constexpr int kStage = kRows * kImmaPitch;  // one copy stage
   static constexpr int kRedPitch = kCols + 1;         // the sums' row pitch (floats; spreads the banks)
-  static constexpr int kRed = kRows * kRedPitch;      // one slot of sums
-  // Slots: 16 warps each leave A_w (lanes w, w + 16); fewer warps leave B_v, v < 8 (the butterfly).
-  static constexpr int kRedSlots = WARPS == 16 ? 16 : 8;
-  static constexpr int kSmem = NS * kStage + kRedSlots * kRed * 4;  // the stages, then the sums
-  static constexpr int kBlocksPerSm = kSmPerSm / (kSmem + 1024) > 0 ? kSmPerSm / (kSmem + 1024) : 1;
-  static_assert(WARPS == 16 || WARPS == 8 || WARPS == 4, "the butterfly below takes 16, 8 or 4 warps");
-  static_assert(kOut % kThreads == 0, "every thread adds the same number of outputs");
-  static_assert(NS >= 2 && NS <= 4, "2 to 4 copy stages");
+  static constexpr int kRed = kRows * kRedPitch;      // one warp's sums
+  static constexpr int kSmem = 2 * kStage + kImmaWarps * kRed * 4;  // two stages, then the sums
+  static_assert(kOut % kImmaThreads == 0, "every thread adds the same number of outputs");
 };
 
 #if defined(DS4_IMMA)
@@ -125,19 +115,15 @@ struct ImmaB {
 // AHEAD: each chunk's B operands are loaded into registers a chunk early (issued right after the
 // previous chunk's mma work), so their L2 latency overlaps the barrier, the slice sums and the wait
 // for the chunk's weights; else each is loaded just before its use. The same values, so the same
-// bits; the narrow tiles only (NT = 1: 8 registers a virtual lane).
-//
-// The copy stream runs NS - 1 chunks ahead of the work: chunk i's copies are issued while chunk
-// i - NS + 1 is worked on (two stages: the next chunk's alone).
-template <int MT, int NT, bool AHEAD, int WARPS, int NS>
-__global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaShape<MT, NT, WARPS, NS>::kBlocksPerSm)
+// bits; the narrow tile only (NT = 1: 16 registers).
+template <int MT, int NT, bool AHEAD>
+__global__ void __launch_bounds__(kImmaThreads, 1)
     imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
-                   int64_t w_member, int64_t p_member, int64_t y_member, bool interleave) {
-  using S = ImmaShape<MT, NT, WARPS, NS>;
-  constexpr int L = S::kLanes;
+                   int64_t w_member, int64_t p_member, int64_t y_member) {
+  using S = ImmaShape<MT, NT>;
   extern __shared__ __align__(16) uint8_t smem[];
-  float* red = reinterpret_cast<float*>(smem + NS * S::kStage);
+  float* red = reinterpret_cast<float*>(smem + 2 * S::kStage);
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int g = lane >> 2, t = lane & 3;
   W += static_cast<int64_t>(blockIdx.z) * w_member;
@@ -161,38 +147,27 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
   }
 
   const int64_t n_chunks = (units + 31) / 32;
-  // Copy chunk q of row block rb_of's rows into stage `stage` (rows past the end re-read the last row).
+  // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
   auto issue = [&](int rb_of, int64_t q, int stage) {
     const int64_t u0 = 32 * q, r0 = static_cast<int64_t>(rb_of) * S::kRows;
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
     const uint8_t* wq = W + u0 * 34;
-    copy_runs<S::kThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec,
-                                            [=](int r) { return wq + min(r0 + r, rows - 1) * row_bytes; });
+    copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec,
+                                             [=](int r) { return wq + min(r0 + r, rows - 1) * row_bytes; });
     ds4_cp_async_commit();
   };
-  // The work item after (rb_of, q_of): the row block's next chunk, else the next row block's first;
-  // q_of -1 after the last.
-  auto advance = [&](int& rb_of, int64_t& q_of) {
-    const int64_t nq = chunk_after(q_of, ks, n_chunks);
-    if (nq >= 0) {
-      q_of = nq;
-    } else {
-      rb_of += static_cast<int>(gridDim.x);
-      q_of = rb_of < n_rb ? 0 : -1;
-    }
-  };
 
-  float acc[L][MT][NT][4];
+  float acc[2][MT][NT][4];
   // Each k-slice's sum of this thread's outputs (slices without a chunk keep +0, as a SIMT warp
   // with no unit does).
-  float ys[kImmaMaxSlices][S::kPerThread];
+  float ys[kImmaMaxSlices][S::kOut / kImmaThreads];
 #pragma unroll
   for (int s = 0; s < kImmaMaxSlices; ++s)
 #pragma unroll
-    for (int j = 0; j < S::kPerThread; ++j) ys[s][j] = 0.0f;
+    for (int j = 0; j < S::kOut / kImmaThreads; ++j) ys[s][j] = 0.0f;
   auto zero = [&] {
 #pragma unroll
-    for (int i = 0; i < L; ++i)
+    for (int i = 0; i < 2; ++i)
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -257,8 +232,8 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
   // Row block rb_of's outputs from the k-slices' sums, which start again from +0.
   auto store = [&](int rb_of) {
 #pragma unroll
-    for (int j = 0; j < S::kPerThread; ++j) {
-      const int o = static_cast<int>(threadIdx.x) + j * S::kThreads;
+    for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
+      const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
       const int64_t row = static_cast<int64_t>(rb_of) * S::kRows + o / S::kCols;
       const int col = c0 + o % S::kCols;
       const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
@@ -269,59 +244,39 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
     }
   };
 
-  // The first NS - 1 chunks' weights are in flight before the wait for the kernels that wrote the
-  // planes (the fetch cursor frb, fq then points at the next chunk to copy).
-  int frb = rb;
-  int64_t fq = n_chunks > 0 ? 0 : -1;
-#pragma unroll
-  for (int s = 0; s < NS - 1; ++s) {
-    if (fq >= 0) {
-      issue(frb, fq, s);
-      advance(frb, fq);
-    } else {
-      ds4_cp_async_commit();  // an empty group keeps the count
-    }
-  }
+  // The first weights are in flight before the wait for the kernels that wrote the planes.
+  if (n_chunks > 0) issue(rb, 0, 0);
   ds4_grid_begin();
   zero();
-  // This warp's units of chunk q (virtual lanes warp, warp + WARPS, ...): their B operands.
-  ImmaB bq[L][NT];
-  auto load_chunk = [&](int64_t q, ImmaB (&b)[L][NT]) {
+  // This warp's two units of chunk q (virtual lanes warp and warp + 16): their B operands.
+  ImmaB bq[2][NT];
+  auto load_chunk = [&](int64_t q, ImmaB (&b)[2][NT]) {
 #pragma unroll
-    for (int k = 0; k < L; ++k) {
-      const int64_t u = 32 * q + warp + WARPS * k;
+    for (int k = 0; k < 2; ++k) {
+      const int64_t u = 32 * q + warp + 16 * k;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt)
         if (u < units) load_b(u, nt, b[k][nt]);
     }
   };
   if (AHEAD && n_chunks > 0) load_chunk(0, bq);
-  int stage = 0, fstage = NS - 1;
+  int stage = 0;
   for (int64_t q = n_chunks > 0 ? 0 : -1; q >= 0;) {
     const int64_t nq = chunk_after(q, ks, n_chunks);  // -1: the row block's last chunk
+    // The next copy: the row block's next chunk, else the next row block's first (if any).
     const int nrb = nq >= 0 ? rb : rb + static_cast<int>(gridDim.x);
-    const int64_t n_item = nq >= 0 ? nq : (nrb < n_rb ? 0 : -1);  // the next item worked
-    // The copy NS - 1 items ahead into the stage worked last (free since the barrier that ended it),
-    // then the wait until this item's copies have landed and every thread sees them.
-    if (fq >= 0) {
-      issue(frb, fq, fstage);
-      advance(frb, fq);
-    } else {
-      ds4_cp_async_commit();
-    }
-    ds4_cp_async_wait<NS - 1>();
-    __syncthreads();
-    fstage = fstage + 1 == NS ? 0 : fstage + 1;
+    const int64_t n_item = nq >= 0 ? nq : (nrb < n_rb ? 0 : -1);
+    next_stage(n_item, stage, [&](int64_t q_of, int st) { issue(nrb, q_of, st); });
     const uint8_t* chunk = smem + stage * S::kStage;
-    if (NT == 1 && interleave && 32 * q + 32 <= units) {
-      // A whole chunk (narrow tiles): no branch between this warp's units, so their loads, mma and
-      // sums interleave.
+    if (NT == 1 && 32 * q + 32 <= units) {
+      // A whole chunk (the narrow tile): no branch between this warp's two units, so their loads, mma
+      // and sums interleave (pass 15, call 2: decode C = 6-8 +2-3%; the wide tile would spill).
 #pragma unroll
-      for (int k = 0; k < L; ++k) apply(chunk, warp + WARPS * k, 32 * q + warp + WARPS * k, bq[k], acc[k]);
+      for (int k = 0; k < 2; ++k) apply(chunk, warp + 16 * k, 32 * q + warp + 16 * k, bq[k], acc[k]);
     } else {
 #pragma unroll
-      for (int k = 0; k < L; ++k) {
-        const int v = warp + WARPS * k;
+      for (int k = 0; k < 2; ++k) {
+        const int v = warp + 16 * k;
         const int64_t u = 32 * q + v;
         if (u < units) apply(chunk, v, u, bq[k], acc[k]);
       }
@@ -331,8 +286,7 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
     __syncthreads();  // the stage is free before it is filled again
     const int s_now = static_cast<int>(q % ks);
     if (nq < 0 || nq % ks != s_now) {
-      // The slice's butterfly (B_v = A_v + A_(v+8), A_v = a_v + a_(v+16): butterfly_of_eight): what
-      // a warp holds in registers, the rest through shared memory.
+      // The slice's butterfly: A_w in registers, the rest through shared memory.
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -340,28 +294,16 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 16 * mt + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
-            const int at = row * S::kRedPitch + col;
-            if constexpr (WARPS == 16) {
-              red[warp * S::kRed + at] = acc[0][mt][nt][e] + acc[1][mt][nt][e];  // A_w
-            } else {
-              // v = warp + WARPS j < 8 holds slot j; v + 8, v + 16, v + 24 slots j + 8 / WARPS, ...
-#pragma unroll
-              for (int j = 0; j < 8 / WARPS; ++j) {
-                const float a_v = acc[j][mt][nt][e] + acc[j + 16 / WARPS][mt][nt][e];
-                const float a_v8 = acc[j + 8 / WARPS][mt][nt][e] + acc[j + 24 / WARPS][mt][nt][e];
-                red[(warp + WARPS * j) * S::kRed + at] = a_v + a_v8;
-              }
-            }
+            red[warp * S::kRed + row * S::kRedPitch + col] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
           }
       __syncthreads();
 #pragma unroll
-      for (int j = 0; j < S::kPerThread; ++j) {
-        const int o = static_cast<int>(threadIdx.x) + j * S::kThreads;
+      for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
+        const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
         const int at = (o / S::kCols) * S::kRedPitch + o % S::kCols;
         float b[8];
 #pragma unroll
-        for (int w = 0; w < 8; ++w)
-          b[w] = WARPS == 16 ? red[w * S::kRed + at] + red[(w + 8) * S::kRed + at] : red[w * S::kRed + at];
+        for (int w = 0; w < 8; ++w) b[w] = red[w * S::kRed + at] + red[(w + 8) * S::kRed + at];
         const float y = butterfly_of_eight(b);
 #pragma unroll
         for (int s = 0; s < kImmaMaxSlices; ++s)
@@ -373,41 +315,9 @@ __global__ void __launch_bounds__(ImmaShape<MT, NT, WARPS, NS>::kThreads, ImmaSh
     if (nq < 0) store(rb);
     rb = nrb;
     q = n_item;
-    stage = stage + 1 == NS ? 0 : stage + 1;
+    stage ^= 1;
   }
   for (; n_chunks == 0 && rb < n_rb; rb += static_cast<int>(gridDim.x)) store(rb);  // no units: every output +0
-}
-
-// The narrow tiles by height (imma.h, matvec_imma_tile): 64 rows (16 warps, 2 stages, one block an
-// SM), 32 (8 warps, 3 stages, 2 blocks an SM), 16 (4 warps, 4 stages, 3 blocks an SM).
-template <int ROWS>
-struct NarrowTile;
-template <>
-struct NarrowTile<64> {
-  using S = ImmaShape<4, 1, 16, 2>;
-};
-template <>
-struct NarrowTile<32> {
-  using S = ImmaShape<2, 1, 8, 3>;
-};
-template <>
-struct NarrowTile<16> {
-  using S = ImmaShape<1, 1, 4, 4>;
-};
-
-// The kernel of tile S.
-template <class S, bool AHEAD>
-constexpr auto kernel_of() {
-  return imma_q8_kernel<S::kRows / 16, S::kCols / 8, AHEAD, S::kWarps, S::kStages>;
-}
-
-// Raise tile S's kernels' shared-memory limit; false where the device refuses.
-template <class S>
-bool allow_smem() {
-  return cudaFuncSetAttribute(kernel_of<S, false>(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem) ==
-             cudaSuccess &&
-         cudaFuncSetAttribute(kernel_of<S, true>(), cudaFuncAttributeMaxDynamicSharedMemorySize, S::kSmem) ==
-             cudaSuccess;
 }
 
 #endif  // DS4_IMMA
@@ -457,44 +367,17 @@ bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEA
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
 
-// Pass 15 experiment: a whole chunk's units without a branch between them (DS4_GPU_MV_IMMA_ILP=0:
-// one at a time, as before). Read once; the same bits either way.
-static bool imma_interleave() {
-  static const bool on = [] {
-    const char* e = std::getenv("DS4_GPU_MV_IMMA_ILP");
-    return e == nullptr || *e == 0 || std::atoi(e) != 0;
-  }();
-  return on;
-}
-
-static bool tile_known(int rows) { return rows == 16 || rows == 32 || rows == 64; }
-
-void set_matvec_imma_tile(int rows) {
-  if (rows != -1 && !tile_known(rows))
-    throw std::invalid_argument("set_matvec_imma_tile: rows must be 16, 32 or 64 (-1: the default)");
-  g_imma_tile.store(rows, std::memory_order_relaxed);
-}
-
-int matvec_imma_tile() {
-  int v = g_imma_tile.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_IMMA_TILE");
-    v = e != nullptr && tile_known(std::atoi(e)) ? std::atoi(e) : kImmaDefaultTile;
-    g_imma_tile.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
 bool imma_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool wide = cudaFuncSetAttribute(kernel_of<ImmaShape<2, 4>, false>(),
-                                           cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const bool wide = cudaFuncSetAttribute(imma_q8_kernel<2, 4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                            ImmaShape<2, 4>::kSmem) == cudaSuccess;
-    const bool narrow = allow_smem<NarrowTile<64>::S>() && allow_smem<NarrowTile<32>::S>() &&
-                        allow_smem<NarrowTile<16>::S>();
+    const bool narrow = cudaFuncSetAttribute(imma_q8_kernel<4, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             ImmaShape<4, 1>::kSmem) == cudaSuccess &&
+                        cudaFuncSetAttribute(imma_q8_kernel<4, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                             ImmaShape<4, 1>::kSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return wide && narrow;
   }();
@@ -518,10 +401,6 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int set_matvec_imma_tile(int rows) {
-  ds4::gpu::set_matvec_imma_tile(rows);
-  return matvec_imma_tile();
-}
 int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
 }  // namespace testing
 
@@ -536,41 +415,30 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
       static_cast<int64_t>(ncols) * ldp >= (int64_t{1} << 31))
     return false;
   const int64_t rows = W.ne[1];
-  // A narrow call (decode widths) has a block per tile height of rows of each member: too few row
-  // blocks leave SMs idle, so it may ask for a least height (DS4_GPU_MV_IMMA_NARROW_ROWS).
+  // A narrow call (the 64 x 8 tile: decode widths) has a block per 64 rows of each member: too few
+  // row blocks leave SMs idle, so it may ask for a least height (DS4_GPU_MV_IMMA_NARROW_ROWS).
   if (ncols <= 8 && rows * n_batch < matvec_imma_narrow_rows()) return false;
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
-  // The tile by width (the bits never depend on it): a narrow tile (x 8 columns) up to 8 columns,
-  // 32 x 32 from 9.
-  auto go = [&](auto shape, auto ahead) {
+  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
+  auto go = [&](auto kernel, auto shape) {
     using S = decltype(shape);
-    // The narrow tile of one member with more row blocks than its blocks fill the SMs with: that many
-    // blocks (their shared memory allows no more), each walking row blocks x, x + grid, ...
+    // The narrow tile of one member with more row blocks than SMs: one block an SM (its shared memory
+    // allows no second), each walking row blocks x, x + grid, ...
     const int64_t n_rb = (rows + S::kRows - 1) / S::kRows;
-    const int64_t resident = static_cast<int64_t>(device_sms()) * S::kBlocksPerSm;
-    const bool persist = ncols <= 8 && n_batch == 1 && resident > 0 && n_rb > resident && matvec_imma_persist();
-    const dim3 grid(static_cast<unsigned>(persist ? resident : n_rb),
+    const int sms = device_sms();
+    const bool persist = ncols <= 8 && n_batch == 1 && sms > 0 && n_rb > sms && matvec_imma_persist();
+    const dim3 grid(static_cast<unsigned>(persist ? sms : n_rb),
                     static_cast<unsigned>((ncols + S::kCols - 1) / S::kCols), static_cast<unsigned>(n_batch));
-    launch(kernel_of<S, decltype(ahead)::value>(), grid, S::kThreads, S::kSmem, stream, W.data, W.row_bytes(), rows,
-           units, ks, P, ldp, ncols, Y, ldy, w_member, static_cast<int64_t>(ncols) * ldp, y_member,
-           imma_interleave());
-  };
-  auto narrow = [&](auto shape) {
-    if (matvec_imma_ahead()) {
-      go(shape, std::true_type{});
-    } else {
-      go(shape, std::false_type{});
-    }
+    launch(kernel, grid, kImmaThreads, S::kSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols, Y, ldy,
+           w_member, static_cast<int64_t>(ncols) * ldp, y_member);
   };
   if (ncols > 8) {
-    go(ImmaShape<2, 4>{}, std::false_type{});
-  } else if (matvec_imma_tile() == 16) {
-    narrow(NarrowTile<16>::S{});
-  } else if (matvec_imma_tile() == 32) {
-    narrow(NarrowTile<32>::S{});
+    go(imma_q8_kernel<2, 4, false>, ImmaShape<2, 4>{});
+  } else if (matvec_imma_ahead()) {
+    go(imma_q8_kernel<4, 1, true>, ImmaShape<4, 1>{});
   } else {
-    narrow(NarrowTile<64>::S{});
+    go(imma_q8_kernel<4, 1, false>, ImmaShape<4, 1>{});
   }
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
   imma_count_launch();

@@ -193,8 +193,6 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // set_matvec_imma_narrow(min_rows, ahead, persist) (imma.h: -1 the default); returns
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
-// set_matvec_imma_tile(rows) (imma.h: 16, 32 or 64; -1 the default); returns matvec_imma_tile() after it.
-int set_matvec_imma_tile(int rows);
 // Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
 int64_t imma_launches();
 // Launches of the planes prep kernel so far in this process (what the producer-built planes save).
@@ -218,7 +216,6 @@ inline bool set_planes_fused(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
 inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int set_matvec_imma_narrow(int, int, int) { no_backend(); }
-inline int set_matvec_imma_tile(int) { no_backend(); }
 inline int64_t imma_launches() { no_backend(); }
 inline int64_t planes_prep_launches() { no_backend(); }
 }  // namespace testing

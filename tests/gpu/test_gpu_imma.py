@@ -33,7 +33,6 @@ def imma():
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
     T.gpu_set_matvec_imma_narrow(-1, -1, -1)
-    T.gpu_set_matvec_imma_tile(-1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -68,13 +67,6 @@ def test_imma_switches_read_back(imma) -> None:
     for bad in ((0, 2, 1), (0, 1, 2), (-2, 1, 1)):
         with pytest.raises(ValueError):
             T.gpu_set_matvec_imma_narrow(*bad)
-    default_tile = T.gpu_set_matvec_imma_tile(-1)
-    assert default_tile in (16, 32, 64)
-    assert [T.gpu_set_matvec_imma_tile(h) for h in (16, 32, 64)] == [16, 32, 64]
-    assert T.gpu_set_matvec_imma_tile(-1) == default_tile
-    for bad in (0, 8, 48, 128, -2):
-        with pytest.raises(ValueError):
-            T.gpu_set_matvec_imma_tile(bad)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall; taller than 132 SMs'
@@ -94,17 +86,13 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     x[5, : ne0 // 3] = 0.0
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
-    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 a narrow tile
-        # Each narrow tile (64, 32, 16 rows: 2, 3, 4 copy stages) with its planes loaded a chunk ahead
-        # and in place, on a persistent grid or not.
-        narrow = [(h, 1, 1) for h in (64, 32, 16)] + [(64, 0, 1), (32, 0, 1), (16, 1, 0), (32, 1, 0)]
-        for tile, ahead, persist in narrow if width <= 8 else [(64, 1, 1)]:
+    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
+        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not.
+        for ahead, persist in ((1, 1), (0, 1), (1, 0)) if width <= 8 else ((1, 1),):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
-            T.gpu_set_matvec_imma_tile(tile)
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
-            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, tile, ahead, persist)
-    T.gpu_set_matvec_imma_tile(-1)
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist)
     # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
     T.gpu_set_matvec_imma_narrow(ne1 + 1, 1, 1)
     got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
@@ -266,20 +254,18 @@ def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
 
 
 def test_engine_decode_widths_on_the_narrow_tile_equal_simt(imma, tmp_path) -> None:
-    """Two sequences fed 3 and 2 rows a step (calls of 5 columns, then 3 and 2: the narrow tiles)
-    give the SIMT kernels' logits with every Q8_0 product on the tensor cores, each tile height, the
-    planes loaded a chunk ahead and in place, eager and under graphs."""
+    """Two sequences fed 3 and 2 rows a step (calls of 5 columns, then 3 and 2: the narrow 64 x 8
+    tile) give the SIMT kernels' logits with every Q8_0 product on the tensor cores, the planes
+    loaded a chunk ahead and in place, eager and under graphs."""
     from tests.engine_cases import Seq, prompt
 
-    def setting(threshold: int, ahead: int, tile: int = -1):
-        return lambda: (imma(threshold), T.gpu_set_matvec_imma_narrow(0, ahead, 1), T.gpu_set_matvec_imma_tile(tile))
+    def setting(threshold: int, ahead: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_narrow(0, ahead, 1))
 
-    settings = {"simt": setting(0, 1), "ahead": setting(1, 1), "in place": setting(1, 0)}
-    settings.update({f"tile {h}": setting(1, 1, h) for h in (64, 32, 16)})
     out = engine_runs(tmp_path, 12, 8,
                       lambda mf: [Seq(prompt(mf, 7, 12), slot=0, pages=[1, 3], rows=3),
                                   Seq(prompt(mf, 8, 9), slot=1, pages=[4, 6], rows=2)],
-                      settings)
+                      {"simt": setting(0, 1), "ahead": setting(1, 1), "in place": setting(1, 0)})
     # (under graphs only a capture launches)
-    assert out[False, "simt"][1] == 0 and all(out[False, k][1] > 0 for k in settings if k != "simt")
+    assert out[False, "simt"][1] == 0 and out[False, "ahead"][1] > 0 and out[False, "in place"][1] > 0
     assert_same_logits(out)

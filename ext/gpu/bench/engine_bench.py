@@ -34,8 +34,7 @@ includes the plan upload, every kernel and the logits download). Method:
   products, `imma=N` the fewest columns a Q8_0 product takes the integer tensor cores from,
   `immag=N` the fewest pairs per expert a grouped Q4_K product takes them from (0 never),
   `immarows=N` the fewest rows a call of at most 8 columns takes them from, `immaahead=0/1` and
-  `immapersist=0/1` that narrow tile's operands a chunk ahead and its persistent grid, `immatile=N`
-  its height (64, 32, 16 rows),
+  `immapersist=0/1` that narrow tile's operands a chunk ahead and its persistent grid,
   `planes=0/1` the producer-built planes (the prep launches they save), `branch=0/1` the step
   branches (the KV side and the shared expert on a second stream), `owngroups=N` the row groups
   a warp of the own grouped Q4_K kernel streams in one copy stream (routed experts; 0 chosen per
@@ -201,7 +200,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 # (l2's: the engine's; -1: the integer tensor cores' setters go back to the library's, imma.h).
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
-                   "immapersist": -1, "immatile": -1, "planes": True, "branch": True, "owngroups": -1,
+                   "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1}
 
 
@@ -211,7 +210,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "immatile", "owngroups", "ownstages", "ownwidth"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -228,7 +227,6 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_imma(want["imma"])
     _native._testing.gpu_set_matvec_imma_grouped(want["immag"])
     _native._testing.gpu_set_matvec_imma_narrow(want["immarows"], want["immaahead"], want["immapersist"])
-    _native._testing.gpu_set_matvec_imma_tile(want["immatile"])
     _native._testing.gpu_set_planes_fused(want["planes"])
     _native._testing.gpu_set_matvec_grouped_groups(want["owngroups"])
     _native._testing.gpu_set_matvec_grouped(1, want["ownstages"], want["ownwidth"])
