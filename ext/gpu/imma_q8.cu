@@ -270,7 +270,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     const uint8_t* chunk = smem + stage * S::kStage;
     if (NT == 1 && 32 * q + 32 <= units) {
       // A whole chunk (the narrow tile): no branch between this warp's two units, so their loads, mma
-      // and sums interleave (pass 15, call 2: decode C = 6-8 +2-3%; the wide tile would spill).
+      // and sums interleave (pass 15, call 2: decode C = 6-8 +2-4%; the wide tile would spill).
 #pragma unroll
       for (int k = 0; k < 2; ++k) apply(chunk, warp + 16 * k, 32 * q + warp + 16 * k, bq[k], acc[k]);
     } else {
