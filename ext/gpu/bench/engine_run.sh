@@ -4,6 +4,7 @@
 #                                       [--harness-bench --bench-chunked|--bench-staged|--bench-grouped|--bench]
 #                                       [--bench-args "ENGINE_BENCH ARGS"] [--memcheck-tests FILE
 #                                       --memcheck-k EXPR] [--ncu C VARIANT REGEX]... [--no-racecheck]
+#                                       [--timeline "GRAPH_TIMELINE ARGS"]
 # 1. Python packages the image lacks, from carried wheels (.whl/, when present);
 # 2. the module: the carried cp312 build (build/gpu312/..., or packed by pack_module.sh into
 #    build/gpu312.tar.xz), else built here (DS4_GPU=cuda, in place);
@@ -21,6 +22,7 @@
 #    with rooflines, a kernel profile; then each --ncu: ncu (SpeedOfLight, Occupancy,
 #    WarpStateStats, LaunchStats) of the kernels matching REGEX in one eager decode step of C lanes
 #    under an engine_bench variant (ncu_step.py; "" for the defaults);
+#    then, with --timeline, graph_timeline.py on flash-l4 with those options (its JSON in extra.tgz);
 # 7. compute-sanitizer racecheck on engine_check.py --quick, with whatever the budget leaves
 #    (--no-racecheck: not run).
 # The budget (default 330 s) bounds the whole script: each part's timeout is the smaller of its
@@ -42,7 +44,9 @@ bench_args=
 memcheck_tests=
 memcheck_k=
 racecheck=1
+timeline=0
 ncu_runs=()  # C, variant, regex, C, variant, regex, ...
+timeline_args=
 while [ $# -gt 0 ]; do
   case "$1" in
     --no-bench) bench=0 ;;
@@ -54,6 +58,7 @@ while [ $# -gt 0 ]; do
     --memcheck-k) memcheck_k=$2; shift ;;
     --ncu) ncu_runs+=("$2" "$3" "$4"); shift 3 ;;
     --no-racecheck) racecheck=0 ;;
+    --timeline) timeline_args=$2; timeline=1; shift ;;
     *) echo "engine_run.sh: unknown option $1"; exit 2 ;;
   esac
   shift
@@ -148,6 +153,12 @@ if [ $bench = 1 ]; then
     echo "ncu exit $?"
     gzip -f "$extra/ncu_$((i / 3))_c$c.csv"
   done
+  if [ $timeline = 1 ]; then
+    echo "== graph timeline [$timeline_args] ($((SECONDS - start)) s)"
+    # shellcheck disable=SC2086  # --timeline is a list of options
+    timeout "$(left 150)" python3 ext/gpu/bench/graph_timeline.py /tmp/f.gguf --json "$extra/timeline.json" $timeline_args
+    echo "timeline exit $?"
+  fi
 fi
 if [ $racecheck = 1 ]; then
   echo "== compute-sanitizer racecheck (engine_check --quick) ($((SECONDS - start)) s)"
