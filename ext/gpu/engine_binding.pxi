@@ -32,6 +32,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool matvec_staged()
         void set_l2_prefetch(cbool on) except +
         cbool l2_prefetch()
+        void set_l2_prefetch_side(cbool on) except +
+        cbool l2_prefetch_side()
         void set_branches(cbool on) except +
         cbool branches()
         vector[int64_t] l2_prefetch_log() except +
@@ -195,13 +197,24 @@ cdef class GpuEngine:
     @property
     def use_l2_prefetch(self):
         """Whether each step asks L2 for the weights that follow its latency-bound stretches (same
-        bits; default on for CUDA compute capability 9.0+, DS4_GPU_L2_PREFETCH=0/1). Setting it on
-        where the device cannot prefetch leaves it off."""
+        bits; default off, DS4_GPU_L2_PREFETCH=1 on where the device can: CUDA compute capability 9.0+).
+        Setting it on where the device cannot prefetch leaves it off."""
         return bool(self._get().l2_prefetch())
 
     @use_l2_prefetch.setter
     def use_l2_prefetch(self, on):
         self._get().set_l2_prefetch(bool(on))
+
+    @property
+    def use_l2_prefetch_side(self):
+        """Whether the prefetch windows launch on a side branch of the step (forked at their point,
+        joined at the step's end) rather than in its stream (same bits; default the side branch,
+        DS4_GPU_L2_PREFETCH_SIDE=0 in the stream)."""
+        return bool(self._get().l2_prefetch_side())
+
+    @use_l2_prefetch_side.setter
+    def use_l2_prefetch_side(self, on):
+        self._get().set_l2_prefetch_side(bool(on))
 
     @property
     def use_branches(self):

@@ -154,7 +154,7 @@ int launch_group(const MatvecProduct* ps, const int64_t* units, const int* idx, 
   // The tall variant where matvec would give it to one of them (R never changes a result).
   bool use_tall = false;
   if (tall && tall_type(ta) && tall_type(tb))
-    for (int j = 0; j < m; ++j) use_tall = use_tall || ps[idx[j]].W.ne[1] >= kTallRows;
+    for (int j = 0; j < m; ++j) use_tall = use_tall || tall_takes(ps[idx[j]].W.ne[1], ps[idx[j]].W.ne[0]);
   const int R = (use_tall ? 2 : 1) * rows_per_warp(nc);
   MultiArgs a{};
   a.K = ps[idx[0]].W.ne[0];
@@ -181,6 +181,13 @@ int launch_group(const MatvecProduct* ps, const int64_t* units, const int* idx, 
     if (first > std::numeric_limits<int32_t>::max())
       throw std::invalid_argument("GPU matvec_multi: more than 2^31 row blocks in one launch");
   }
+  // The L2 run-ahead: each block's one row block, where the budget covers every block's.
+  int64_t rb_max = 0;
+  for (int j = 0; j < m; ++j) {
+    const int ks = a.p[j].ks;
+    rb_max = std::max<int64_t>(rb_max, static_cast<int64_t>(R) * (kMatvecWarps / ks) * a.p[j].row_bytes);
+  }
+  a.l2_ahead = l2_ahead_blocks(rb_max, first, 1);
   launch_multi(ta, tb, use_tall, nc, a, first, X, ldx, s);
   DS4_GPU_CHECK_LAUNCH("matvec_multi_kernel");
   return 1;
@@ -219,9 +226,14 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   const int64_t expert_bytes = Wg.row_bytes() * rows;
   auto go = [&](auto kernel) {
+    // The L2 run-ahead: a block's rows of both stacks.
+    const int64_t resident = resident_blocks(reinterpret_cast<const void*>(kernel), kMatvecThreads, smem);
+    const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y;
+    const int64_t ask =
+        l2_ask_bytes(2 * block_rows * Wg.row_bytes(), resident > 0 ? std::min(blocks, resident) : blocks) / 2;
     launch(kernel, grid, kMatvecThreads, smem, s, Wg.data, Wu.data, expert_bytes, Wg.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, store, ldy,
-           stages, groups, planes.data, planes.ldp);
+           stages, groups, planes.data, planes.ldp, ask);
   };
   const bool pl = planes.data != nullptr;
   if (ks == 1) {

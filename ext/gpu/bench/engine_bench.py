@@ -2,6 +2,7 @@
 
     python3 ext/gpu/bench/engine_bench.py MODEL.gguf [--json OUT.json] [--ctx 600] [--steps 24]
                                                      [--long-ctx 2100] [--variants pdl=0:l2=0,pdl=1,...]
+                                                     [--decode-tokens device|host|both]
 
 Through Runner(backend="cuda"|"hip"), one engine step per runner.step call (host time, which
 includes the plan upload, every kernel and the logits download). Method:
@@ -11,8 +12,11 @@ includes the plan upload, every kernel and the logits download). Method:
 - prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (--prefill-rows: other
   sizes; logits for the last row of each step only), tok/s = 2048 / wall time;
 - decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 6, 8 the first C
-  slots decode greedily (argmax on the host) for --steps timed steps after 3 warm-ups; tok/s =
-  C / median step time;
+  slots decode greedily for --steps timed steps after 3 warm-ups; tok/s = C / median step time. A
+  step's greedy tokens come from the device (Runner.step_argmax: only C tokens cross the bus, as the
+  service runs greedy requests), or with --decode-tokens host from the logits copied to the host and
+  np.argmax there (every lane's 129280 floats a step: how the figures before GPU pass 16 were
+  taken); `both` measures each (C, mode) both ways back to back (rows marked "tokens");
 - prefill and decode in three modes (graphs, tall, staged, chunked): eager launches with the
   direct matvec and unit-by-unit weight loads (the reference), graphs + tall + staged with
   unit-by-unit loads (the default before the chunked loads), and graphs + tall + staged + chunked
@@ -40,7 +44,10 @@ includes the plan upload, every kernel and the logits download). Method:
   a warp of the own grouped Q4_K kernel streams in one copy stream (routed experts; 0 chosen per
   launch), `ownstages=N` that kernel's copy stages (2..4), `ownwidth=N` its widest sub-part (1, 2,
   4, 8; setting these selects the own grouped kernel, so --variants runs it whatever
-  DS4_GPU_MV_GROUPED says); joined
+  DS4_GPU_MV_GROUPED says), `l2side=0/1` the L2 prefetch windows on a side branch or in the
+  stream, `l2ahead=0/1` the weight kernels' L2 run-ahead and `l2bytes=N` its budget in bytes (-1:
+  the default), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements a row it takes
+  (0 any; -1 the default); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
@@ -198,10 +205,10 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
 # (l2's: the engine's; -1: the integer tensor cores' setters go back to the library's, imma.h).
-SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
+SWITCH_DEFAULTS = {"pdl": True, "l2": None, "l2side": True, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
-                   "ownstages": -1, "ownwidth": -1}
+                   "ownstages": -1, "ownwidth": -1, "l2ahead": -1, "l2bytes": -1, "tall": True, "tallk": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -210,14 +217,15 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "l2bytes", "tallk"):
             want[key] = int(value)
-        elif key in ("immaahead", "immapersist"):
+        elif key in ("immaahead", "immapersist", "l2ahead"):
             want[key] = int(value != "0")
         else:
             want[key] = value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
+    runner._impl.use_l2_prefetch_side = want["l2side"]
     runner._impl.use_branches = want["branch"]
     _native._testing.gpu_set_matvec_mma(want["mma"])
     _native._testing.gpu_set_matvec_fuse(want["fuse"])
@@ -230,6 +238,9 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_planes_fused(want["planes"])
     _native._testing.gpu_set_matvec_grouped_groups(want["owngroups"])
     _native._testing.gpu_set_matvec_grouped(1, want["ownstages"], want["ownwidth"])
+    _native._testing.gpu_set_matvec_l2_ahead(want["l2ahead"], want["l2bytes"])
+    runner._impl.use_tall_matvec = want["tall"]
+    _native._testing.gpu_set_matvec_tall_min_k(want["tallk"])
 
 
 class Runs:
@@ -307,32 +318,41 @@ def variant_exactness(runner: Runner, mf: ModelFile, runs: Runs) -> list[dict]:
 
 
 def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, steps: int,
-           copy_bw: float | None, runs: Runs) -> list[dict]:
+           copy_bw: float | None, runs: Runs, tokens: str = "device") -> list[dict]:
     """Greedy decode of the first C slots for each C, in each mode (or variant) back to back: step
-    times, tok/s and the roofline fraction."""
+    times, tok/s and the roofline fraction. tokens: where the greedy tokens are taken ("device",
+    "host", or "both": each way in turn)."""
     rows = []
-    for c, item in ((c, m) for c in concurrencies for m in runs.items):
+    ways = ["device", "host"] if tokens == "both" else [tokens]
+    for c, item, way in ((c, m, w) for c in concurrencies for m in runs.items for w in ways):
         name = runs.set(item)
         times = []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
             plan = StepPlan.build(lanes, {s: table(s) for s in range(c)}, BLOCKS)
             t0 = time.perf_counter()
-            logits = runner.step(plan)
-            dt = time.perf_counter() - t0
+            if way == "device":
+                got = runner.step_argmax(plan)
+                dt = time.perf_counter() - t0
+                picked = [int(t) for t in got]
+            else:
+                logits = runner.step(plan)
+                dt = time.perf_counter() - t0
+                picked = [int(np.argmax(logits[s])) for s in range(c)]
             if i >= 3:
                 times.append(dt)
             for s in range(c):
-                nxt[s], pos[s] = int(np.argmax(logits[s])), pos[s] + 1
+                nxt[s], pos[s] = picked[s], pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
-        row = {"concurrency": c, "mode": name, "step_ms_median": step * 1e3,
+        row = {"concurrency": c, "mode": name, "tokens": way, "step_ms_median": step * 1e3,
                "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
             row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
         rows.append(row)
-        print(f"decode C={c} {row['mode']}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms (min {min(times) * 1e3:.2f}), "
+        print(f"decode C={c} {row['mode']} tokens={way}: {row['tok_s']:.1f} tok/s, step {step * 1e3:.2f} ms "
+              f"(min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
     runs.reset()
@@ -345,6 +365,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--ctx", type=int, default=600)
     ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--decode-tokens", choices=("device", "host", "both"), default="device",
+                    help="where decode takes its greedy tokens (module docstring)")
     ap.add_argument("--long-ctx", type=int, default=2100, help="a second decode context (0: none)")
     ap.add_argument("--variants", default="", help="switch settings to compare in one process (module docstring)")
     ap.add_argument("--profile-rows", type=int, default=64, help="prompt rows of the profiled prefill steps")
@@ -405,7 +427,7 @@ def main() -> int:
         logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
         nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
     copy_bw = result["bandwidth"].get("copy_GBps")
-    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 6, 8), args.steps, copy_bw, runs)
+    result["decode"] = decode(runner, mf, nxt, pos, (1, 2, 4, 6, 8), args.steps, copy_bw, runs, args.decode_tokens)
     save()
     if args.long_ctx:
         for s in range(SLOTS):
@@ -413,7 +435,7 @@ def main() -> int:
             logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.long_ctx), 64)
             nxt[s], pos[s] = int(np.argmax(logits[-1])), args.long_ctx
         print(f"-- decode at {args.long_ctx}", flush=True)
-        result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw, runs)
+        result["decode_long"] = decode(runner, mf, nxt, pos, (1, 8), args.steps, copy_bw, runs, args.decode_tokens)
     result["graphs_captured"] = runner._impl.graphs_captured
     save()
     set_mode(runner, False, True, True, True)
