@@ -141,7 +141,10 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
                     int n_head, int head_dim, const float* sinks, int max_keys, float* out, Stream stream);
 
 // out[i] = index of the largest of X[i * ldx .. + n) (first one on ties; NaN counts as largest).
-void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream);
+// work: device memory of argmax_work_bytes(n_rows) (each row's splits' partial results).
+constexpr int kArgmaxMaxSplits = 64;
+constexpr size_t argmax_work_bytes(int64_t n_rows) { return static_cast<size_t>(n_rows) * kArgmaxMaxSplits * 8; }
+void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, void* work, Stream stream);
 
 // --- testing: the same on host buffers (synchronous) ---------------------------------------
 namespace testing {

@@ -560,7 +560,8 @@ void GpuEngine::Impl::carve_scratch() {
       // attention's split partials (paged_ops.cu): R x n_head x 8 splits x (head_dim + 2) floats
       {reinterpret_cast<void**>(&attn_part), 4 * attention_part_floats(static_cast<int>(R), static_cast<int>(nh),
                                                                        static_cast<int>(hd))},
-      {reinterpret_cast<void**>(&argmax_tokens), 4 * R},
+      // the logit lanes' greedy tokens, then argmax_rows' work area
+      {reinterpret_cast<void**>(&argmax_tokens), 4 * R + static_cast<int64_t>(argmax_work_bytes(R))},
       {reinterpret_cast<void**>(&x_planes), x_planes_bytes},
       {reinterpret_cast<void**>(&planes_u), planes_u_bytes},
       {reinterpret_cast<void**>(&planes_b), planes_b_bytes},
@@ -1051,7 +1052,7 @@ void GpuEngine::Impl::download_argmax(int32_t* out) {
   if (n_out > 0) {
     const uint64_t bytes = 4ull * n_out;
     reserve_host(bytes);
-    argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, stream);
+    argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, argmax_tokens + opts.max_rows, stream);
     DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes(), argmax_tokens, bytes, cudaMemcpyDeviceToHost, stream));
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
     std::memcpy(out, logits_host.bytes(), bytes);

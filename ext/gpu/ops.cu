@@ -16,8 +16,12 @@
 //                 (at most 8 splits of at least 64 keys). Bytes: the lane's key rows per head group
 //                 (from L2 after the first), partials 4 * (head_dim + 2) per (lane, head, split).
 //                 Allocates the partials for the call and synchronizes (a testing entry point).
-// argmax_rows     one block (1024 threads) per row; (value, index) reduction, first index on ties,
-//                 NaN largest (numpy's argmax). Bytes: 4 per element.
+// argmax_rows     two launches: grid (splits, rows) x 256 threads, each block the best (value, index)
+//                 of its split of the row into the work area (argmax_split_kernel), then a warp a row
+//                 picks the best of the row's splits (argmax_final_kernel). First index on ties, NaN
+//                 largest (numpy's argmax); the order is total, so the splits change no result.
+//                 (Pass 16: one 1024-thread block a row took 22 us for the LM head's 129280 logits,
+//                 on every greedy decode step's critical path.) Bytes: 4 per element, 8 a split.
 #include <algorithm>
 #include <cmath>
 #include <string>
@@ -162,7 +166,8 @@ __global__ void __launch_bounds__(kAttnCombineThreads)
 
 // --- argmax -------------------------------------------------------------------------------------
 
-constexpr int kArgmaxThreads = 1024;
+constexpr int kArgmaxThreads = 256;
+constexpr int kArgmaxSplitElems = 2048;  // a split has at least this many elements (fewer splits than kArgmaxMaxSplits)
 
 // Whether (a, ia) comes before (b, ib): larger value, NaN largest, then the smaller index.
 __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
@@ -171,19 +176,25 @@ __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
   return a > b || (a == b && ia < ib);
 }
 
-__global__ void __launch_bounds__(kArgmaxThreads)
-    argmax_kernel(const float* __restrict__ X, int64_t ldx, int64_t n, int32_t* __restrict__ out) {
-  ds4_grid_begin();
+// The best (value, index) of x[i] for i in [i0, i1): thread t takes i0 + t, i0 + t + blockDim.x, ...
+// (four loads in flight), then the warps' butterflies and warp 0 over their results.
+__device__ __forceinline__ void argmax_block(const float* __restrict__ x, int64_t i0, int64_t i1, float* v_out,
+                                             int* i_out) {
   __shared__ float bv[kArgmaxThreads / DS4_WARP];
   __shared__ int bi[kArgmaxThreads / DS4_WARP];
-  const float* x = X + static_cast<int64_t>(blockIdx.x) * ldx;
   float v = -INFINITY;
   int idx = 0x7fffffff;
-  for (int64_t i = threadIdx.x; i < n; i += kArgmaxThreads) {
-    const float xi = x[i];
-    if (better(xi, static_cast<int>(i), v, idx)) {
-      v = xi;
-      idx = static_cast<int>(i);
+  for (int64_t i = i0 + threadIdx.x; i < i1; i += 4 * kArgmaxThreads) {
+    float xs[4];
+#pragma unroll
+    for (int q = 0; q < 4; ++q) xs[q] = i + q * kArgmaxThreads < i1 ? x[i + q * kArgmaxThreads] : -INFINITY;
+#pragma unroll
+    for (int q = 0; q < 4; ++q) {
+      const int64_t j = i + q * kArgmaxThreads;
+      if (j < i1 && better(xs[q], static_cast<int>(j), v, idx)) {
+        v = xs[q];
+        idx = static_cast<int>(j);
+      }
     }
   }
 #pragma unroll
@@ -206,8 +217,43 @@ __global__ void __launch_bounds__(kArgmaxThreads)
         v = bv[w];
         idx = bi[w];
       }
-    out[blockIdx.x] = idx;
+    *v_out = v;
+    *i_out = idx;
   }
+}
+
+// Block (s, r): the best of split s of row r into the work area (values, then indices, splits apart).
+__global__ void __launch_bounds__(kArgmaxThreads)
+    argmax_split_kernel(const float* __restrict__ X, int64_t ldx, int64_t n, int64_t split, float* __restrict__ wv,
+                        int* __restrict__ wi) {
+  ds4_grid_begin();
+  const int64_t s = blockIdx.x, r = blockIdx.y;
+  const int64_t i0 = s * split, i1 = i0 + split < n ? i0 + split : n;
+  argmax_block(X + r * ldx, i0, i1, wv + r * gridDim.x + s, wi + r * gridDim.x + s);
+}
+
+// Warp r: the best of row r's splits (lane l holds splits l, l + 32, ...), into out[r].
+__global__ void __launch_bounds__(DS4_WARP)
+    argmax_final_kernel(const float* __restrict__ wv, const int* __restrict__ wi, int splits, int32_t* __restrict__ out) {
+  ds4_grid_begin();
+  const int64_t r = blockIdx.x;
+  float v = -INFINITY;
+  int idx = 0x7fffffff;
+  for (int s = static_cast<int>(threadIdx.x); s < splits; s += DS4_WARP)
+    if (better(wv[r * splits + s], wi[r * splits + s], v, idx)) {
+      v = wv[r * splits + s];
+      idx = wi[r * splits + s];
+    }
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+    const float ov = ds4_shfl_xor(v, m);
+    const int oi = ds4_shfl_xor(idx, m);
+    if (better(ov, oi, v, idx)) {
+      v = ov;
+      idx = oi;
+    }
+  }
+  if (threadIdx.x == 0) out[r] = idx;
 }
 
 int smem_optin_limit() {
@@ -324,11 +370,20 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
   check(err, "attention_sink");
 }
 
-void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, Stream stream) {
+void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* out, void* work, Stream stream) {
   if (n <= 0 || n > 0x7fffffff) throw std::invalid_argument("GPU argmax: need 0 < n < 2^31");
   if (n_rows <= 0) return;
-  launch(argmax_kernel, n_rows, kArgmaxThreads, 0, static_cast<cudaStream_t>(stream), X, ldx, n, out);
-  DS4_GPU_CHECK_LAUNCH("argmax_kernel");
+  if (n_rows > 65535) throw std::invalid_argument("GPU argmax: at most 65535 rows a call");
+  const int64_t splits = std::min<int64_t>(kArgmaxMaxSplits, (n + kArgmaxSplitElems - 1) / kArgmaxSplitElems);
+  const int64_t split = (n + splits - 1) / splits;
+  float* wv = static_cast<float*>(work);
+  int* wi = reinterpret_cast<int*>(wv + static_cast<int64_t>(n_rows) * splits);
+  const cudaStream_t s = static_cast<cudaStream_t>(stream);
+  launch(argmax_split_kernel, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(n_rows)), kArgmaxThreads, 0, s, X,
+         ldx, n, split, wv, wi);
+  DS4_GPU_CHECK_LAUNCH("argmax_split_kernel");
+  launch(argmax_final_kernel, n_rows, DS4_WARP, 0, s, wv, wi, static_cast<int>(splits), out);
+  DS4_GPU_CHECK_LAUNCH("argmax_final_kernel");
 }
 
 }  // namespace ds4::gpu

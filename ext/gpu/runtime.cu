@@ -243,8 +243,9 @@ void attention_sink(const float* q, const uint16_t* kv, int64_t kv_rows, const i
 
 void argmax_rows(const float* X, int n_rows, int64_t n, int32_t* out) {
   if (n_rows <= 0) return;
-  Buffer x(X, static_cast<size_t>(n_rows) * n * sizeof(float)), o(n_rows * sizeof(int32_t));
-  ds4::gpu::argmax_rows(x.as<float>(), n, n_rows, n, o.as<int32_t>(), nullptr);
+  Buffer x(X, static_cast<size_t>(n_rows) * n * sizeof(float)), o(n_rows * sizeof(int32_t)),
+      w(ds4::gpu::argmax_work_bytes(n_rows));
+  ds4::gpu::argmax_rows(x.as<float>(), n, n_rows, n, o.as<int32_t>(), w.as<float>(), nullptr);
   sync();
   o.download(out);
 }

@@ -365,6 +365,27 @@ def test_argmax_takes_the_first_maximum() -> None:
     assert np.array_equal(T.gpu_argmax(x), np.argmax(x, axis=1).astype(np.int32))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("n", [1, 5, 2047, 2048, 2049, 4097, 65536, 129280])
+def test_argmax_across_its_splits(n: int) -> None:
+    """Rows cut into several splits (at least 2048 elements each, at most 64): the maximum in any split,
+    equal maxima in two splits (the first wins), a NaN after a larger value and a NaN before another
+    NaN (the first NaN wins), a row of -inf and one of -0.0 / +0.0 ties, against numpy's argmax."""
+    rng = np.random.default_rng(n)
+    x = rng.standard_normal((8, n)).astype(np.float32)
+    last = n - 1
+    x[0, last] = 50.0
+    x[1, [last // 3, last]] = 40.0
+    x[2, 0] = 60.0
+    x[2, last] = np.nan
+    x[3, [last // 2, last]] = np.nan
+    x[4, :] = -np.inf
+    x[5, :] = -0.0
+    x[5, last] = 0.0
+    x[6, rng.integers(0, n, 3)] = 7.0
+    assert np.array_equal(T.gpu_argmax(x), np.argmax(x, axis=1).astype(np.int32))
+
+
 # --- the per-lane step kernels at DS4's shapes, inside the engine -------------------------------------
 
 LONG_CTX = 4096
