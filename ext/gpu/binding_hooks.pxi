@@ -19,7 +19,6 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_set_matvec_chunked "ds4::gpu::testing::set_matvec_chunked"(cbool on) except +
     void gpu_set_matvec_persistent "ds4::gpu::testing::set_matvec_persistent"(cbool on) except +
     void gpu_set_matvec_tall_stages "ds4::gpu::testing::set_matvec_tall_stages"(int stages) except +
-    int64_t gpu_set_matvec_l2_ahead "ds4::gpu::testing::set_matvec_l2_ahead"(int on, int64_t budget) except +
     int64_t gpu_set_matvec_tall_min_k "ds4::gpu::testing::set_matvec_tall_min_k"(int64_t k) except +
     void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant, int stages, int width) except +
     int gpu_set_matvec_grouped_groups "ds4::gpu::testing::set_matvec_grouped_groups"(int groups) except +
@@ -323,14 +322,6 @@ def _t_gpu_set_matvec_tall_stages(int stages):
     gpu_set_matvec_tall_stages(stages)
 
 
-def _t_gpu_set_matvec_l2_ahead(int on, int64_t budget=-1):
-    """The weight kernels' L2 run-ahead, process-wide: on 1 / 0, or -1 back to DS4_GPU_MV_L2AHEAD or the
-    default (on where the device can: CUDA, compute capability 9.0+); budget the bytes a launch's blocks
-    ask for together at most (-1: DS4_GPU_MV_L2AHEAD_BYTES or three quarters of the L2). Returns the
-    budget in force, 0 when off (ext/gpu/matvec.cuh; the bits never change)."""
-    return int(gpu_set_matvec_l2_ahead(on, budget))
-
-
 def _t_gpu_set_matvec_tall_min_k(int64_t k):
     """The fewest elements a row a matrix needs to take the tall matvec variant (with the engine's tall
     switch on and at least 16384 rows), process-wide: 0 any (the default), -1 back to
@@ -463,7 +454,6 @@ _GPU_TESTING = dict(
     gpu_set_matvec_chunked=_t_gpu_set_matvec_chunked,
     gpu_set_matvec_persistent=_t_gpu_set_matvec_persistent,
     gpu_set_matvec_tall_stages=_t_gpu_set_matvec_tall_stages,
-    gpu_set_matvec_l2_ahead=_t_gpu_set_matvec_l2_ahead,
     gpu_set_matvec_tall_min_k=_t_gpu_set_matvec_tall_min_k,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_set_matvec_grouped_groups=_t_gpu_set_matvec_grouped_groups,

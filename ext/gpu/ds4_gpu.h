@@ -96,15 +96,6 @@ void set_matvec_persistent(bool on);
 // 1 (default, one stage in static shared memory) or 2 (two stages in dynamic shared memory;
 // DS4_GPU_MV_TALL_STAGES=2). Same bits.
 void set_matvec_tall_stages(int stages);
-// The weight kernels' L2 run-ahead (matvec.cuh matvec_blocks' `ahead`; on by default on CUDA
-// sm_90+, DS4_GPU_MV_L2AHEAD=0 turns it off): every block asks L2 for the weight rows it will read
-// (a launch's blocks in flight at most `budget` bytes together; DS4_GPU_MV_L2AHEAD_BYTES, default
-// three quarters of the L2) before it waits for its inputs, so a product's weights stream from HBM at
-// full speed instead of a chunk a warp at a time. on / budget -1: back to the environment or the
-// default. Same bits. matvec_l2_ahead() is the budget in force, 0 when off (the engine keys its
-// graphs by it).
-void set_matvec_l2_ahead(int on, int64_t budget = -1);
-int64_t matvec_l2_ahead();
 // The fewest elements a row a matrix must have to take the tall variant when asked for (matvec.cuh
 // kTallRows: q_b has 1024, the LM head 4096); 0 (the default, DS4_GPU_MV_TALL_MIN_K) any, -1 back to
 // the environment's value. Same bits; the engine keys its graphs by it.
@@ -163,8 +154,6 @@ void matvec_batched(const TensorView& W, int n_batch, const float* X, int ncols,
 void set_matvec_chunked(bool on);
 void set_matvec_persistent(bool on);
 void set_matvec_tall_stages(int stages);
-// ds4::gpu::set_matvec_l2_ahead; returns matvec_l2_ahead() after it.
-int64_t set_matvec_l2_ahead(int on, int64_t budget);
 // ds4::gpu::set_matvec_tall_min_k; returns matvec_tall_min_k() after it.
 int64_t set_matvec_tall_min_k(int64_t k);
 // variant as ds4::gpu::set_matvec_grouped's; stages 2..4 the own kernel's copy stages, width 1, 2,
@@ -203,7 +192,6 @@ inline void matvec_grouped(const TensorView&, const float*, int64_t, int64_t, co
 inline void set_matvec_chunked(bool) { no_backend(); }
 inline void set_matvec_persistent(bool) { no_backend(); }
 inline void set_matvec_tall_stages(int) { no_backend(); }
-inline int64_t set_matvec_l2_ahead(int, int64_t) { no_backend(); }
 inline int64_t set_matvec_tall_min_k(int64_t) { no_backend(); }
 inline void set_matvec_grouped(int, int = 0, int = 0) { no_backend(); }
 inline int set_matvec_grouped_groups(int) { no_backend(); }

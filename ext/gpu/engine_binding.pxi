@@ -32,8 +32,6 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool matvec_staged()
         void set_l2_prefetch(cbool on) except +
         cbool l2_prefetch()
-        void set_l2_prefetch_side(cbool on) except +
-        cbool l2_prefetch_side()
         void set_branches(cbool on) except +
         cbool branches()
         vector[int64_t] l2_prefetch_log() except +
@@ -204,17 +202,6 @@ cdef class GpuEngine:
     @use_l2_prefetch.setter
     def use_l2_prefetch(self, on):
         self._get().set_l2_prefetch(bool(on))
-
-    @property
-    def use_l2_prefetch_side(self):
-        """Whether the prefetch windows launch on a side branch of the step (forked at their point,
-        joined at the step's end) rather than in its stream (same bits; default the side branch,
-        DS4_GPU_L2_PREFETCH_SIDE=0 in the stream)."""
-        return bool(self._get().l2_prefetch_side())
-
-    @use_l2_prefetch_side.setter
-    def use_l2_prefetch_side(self, on):
-        self._get().set_l2_prefetch_side(bool(on))
 
     @property
     def use_branches(self):

@@ -209,20 +209,15 @@ struct GpuEngine::Impl {
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
   bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
-  bool prefetch_side = true;  // its windows on the side branch `pf` (forked at each, joined at the end)
-  bool pf_pending = false;    // a window on pf not yet joined
-  cudaStream_t pf = nullptr;
-  cudaEvent_t pf_fork_ev = nullptr, pf_join_ev = nullptr;
   uint64_t prefetch_cap = 0;  // bytes one window asks for at most
   std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
   // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
-  // the L2 prefetch and where its windows launch; the integer tensor cores' two thresholds and
-  // narrow-tile settings, imma.h; the producer-built planes; the step branches; the own grouped
-  // kernel's row groups; the weight kernels' L2 run-ahead budget; the tall variant's least K).
-  using GraphKey = std::tuple<int, int, int, bool, bool, int, bool, bool, int, int, int, bool, bool, bool, bool, int,
-                              int64_t, int64_t>;
+  // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
+  // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
+  // least row width).
+  using GraphKey = std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -360,7 +355,6 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
-  prefetch_side = env_flag("DS4_GPU_L2_PREFETCH_SIDE", true);
   branches = env_flag("DS4_GPU_BRANCHES", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
@@ -376,9 +370,6 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   DS4_GPU_CHECK(cudaStreamCreate(&side));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming));
-  DS4_GPU_CHECK(cudaStreamCreate(&pf));
-  DS4_GPU_CHECK(cudaEventCreateWithFlags(&pf_fork_ev, cudaEventDisableTiming));
-  DS4_GPU_CHECK(cudaEventCreateWithFlags(&pf_join_ev, cudaEventDisableTiming));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
   weights = DeviceMemory(file.size());
@@ -442,9 +433,6 @@ GpuEngine::Impl::~Impl() {
   for (cudaEvent_t e : piece_done) (void)cudaEventDestroy(e);
   if (fork_ev) (void)cudaEventDestroy(fork_ev);
   if (join_ev) (void)cudaEventDestroy(join_ev);
-  if (pf_fork_ev) (void)cudaEventDestroy(pf_fork_ev);
-  if (pf_join_ev) (void)cudaEventDestroy(pf_join_ev);
-  if (pf) (void)cudaStreamDestroy(pf);
   if (side) (void)cudaStreamDestroy(side);
   if (stream) (void)cudaStreamDestroy(stream);
 }
@@ -697,16 +685,7 @@ void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_li
     prefetch_log.insert(prefetch_log.end(),
                         {window, layer, static_cast<int64_t>(t->data - weights.data()), static_cast<int64_t>(bytes)});
   }
-  if (!prefetch_side) {
-    ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
-    return;
-  }
-  // On the side branch: after everything launched so far, beside what follows; joined at the end.
-  DS4_GPU_CHECK(cudaEventRecord(pf_fork_ev, stream));
-  DS4_GPU_CHECK(cudaStreamWaitEvent(pf, pf_fork_ev, 0));
-  ds4::gpu::l2_prefetch(r, m, pf);
-  DS4_GPU_CHECK(cudaEventRecord(pf_join_ev, pf));
-  pf_pending = true;
+  ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
 }
 
 // Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
@@ -960,7 +939,6 @@ void GpuEngine::Impl::launch_step() {
   branching = branches && fused_planes && !matvec_mma();
   drop_planes(0);
   drop_planes(1);
-  pf_pending = false;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
   embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
@@ -971,19 +949,14 @@ void GpuEngine::Impl::launch_step() {
   }
   head();
   join_side();
-  if (pf_pending) {  // the prefetch branch (it writes nothing; the join only closes the graph)
-    DS4_GPU_CHECK(cudaStreamWaitEvent(stream, pf_join_ev, 0));
-    pf_pending = false;
-  }
 }
 
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged, matvec_settings_key(), prefetch,
-                     prefetch_side, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(),
-                     matvec_imma_ahead(), matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(),
-                     matvec_l2_ahead(), matvec_tall_min_k()};
+                     matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
+                     matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1097,10 +1070,9 @@ void GpuEngine::set_matvec_tall(bool on) { impl_->tall = on; }
 bool GpuEngine::matvec_tall() const { return impl_->tall; }
 void GpuEngine::set_matvec_staged(bool on) { impl_->staged = on; }
 bool GpuEngine::matvec_staged() const { return impl_->staged; }
+
 void GpuEngine::set_l2_prefetch(bool on) { impl_->prefetch = on && l2_prefetch_supported(); }
 bool GpuEngine::l2_prefetch() const { return impl_->prefetch; }
-void GpuEngine::set_l2_prefetch_side(bool on) { impl_->prefetch_side = on; }
-bool GpuEngine::l2_prefetch_side() const { return impl_->prefetch_side; }
 void GpuEngine::set_branches(bool on) { impl_->branches = on; }
 bool GpuEngine::branches() const { return impl_->branches; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }

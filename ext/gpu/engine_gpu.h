@@ -84,22 +84,18 @@ class GpuEngine {
   // the same bits, a different speed. Default: on; DS4_GPU_MV_STAGED=0 turns it off.
   void set_matvec_staged(bool on);
   bool matvec_staged() const;
+
   // L2 prefetch (l2_prefetch.h; ext/gpu/README.md "Pass 9"): before each latency-bound stretch of
   // the step (attention, the FFN prologue, the mHC/norm prologue of the next layer or the head) a
   // small kernel asks L2 for the first bytes of the weights the next weight kernels read, at most
   // half the L2 a stretch (DS4_GPU_L2_PREFETCH_BYTES overrides that cap, read at construction).
-  // Only the cache state changes, never a result bit. Default: off (measured 1-3% slower in the
-  // stream, ext/gpu/README.md "Pass 9: outcome"); DS4_GPU_L2_PREFETCH=1 turns it on where
-  // l2_prefetch_supported() (CUDA, compute capability 9.0+). Setting it on where it is unsupported
-  // leaves it off (the getter tells). Part of the graph key.
+  // Only the cache state changes, never a result bit. Default: off (measured 1-3% slower,
+  // ext/gpu/README.md "Pass 9: outcome"; on a side branch of the step 2% slower too, pass 16);
+  // DS4_GPU_L2_PREFETCH=1 turns it on where l2_prefetch_supported() (CUDA, compute capability
+  // 9.0+). Setting it on where it is unsupported leaves it off (the getter tells). Part of the
+  // graph key.
   void set_l2_prefetch(bool on);
   bool l2_prefetch() const;
-  // Where the prefetch windows launch: on a third stream forked from the step's stream at the
-  // window's point and joined at the step's end (a parallel branch of the graph, off the step's
-  // critical path), or in the stream (pass 9). Default: the side branch; DS4_GPU_L2_PREFETCH_SIDE=0
-  // puts them in the stream. Part of the graph key.
-  void set_l2_prefetch_side(bool on);
-  bool l2_prefetch_side() const;
   // Step branches: a layer's KV side (the raw row's norm and RoPE, the compressors' updates) and
   // its shared expert run on a second stream beside the q path and the routing and routed experts
   // (parallel branches in a graph). The same kernels on the same values: the same bits. Taken only
@@ -149,8 +145,6 @@ class GpuEngine {
   bool matvec_staged() const { return false; }
   void set_l2_prefetch(bool) { throw std::runtime_error("no GPU backend"); }
   bool l2_prefetch() const { return false; }
-  void set_l2_prefetch_side(bool) { throw std::runtime_error("no GPU backend"); }
-  bool l2_prefetch_side() const { return false; }
   void set_branches(bool) { throw std::runtime_error("no GPU backend"); }
   bool branches() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }

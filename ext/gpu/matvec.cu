@@ -21,7 +21,6 @@
 
 #include "ds4_gpu.h"
 #include "imma.h"
-#include "l2_prefetch.h"
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "matvec_fused.h"
@@ -254,28 +253,6 @@ int64_t dense_grid(int64_t n_blocks, int64_t resident, int n_batch) {
   return (n_blocks + rounds - 1) / rounds;
 }
 
-// The L2 run-ahead (matvec.cuh matvec_blocks' `ahead`): on unless DS4_GPU_MV_L2AHEAD=0 or
-// set_matvec_l2_ahead(0, ...), CUDA sm_90+ only; a launch's blocks in flight keep at most the budget
-// asked for: DS4_GPU_MV_L2AHEAD_BYTES, else three quarters of the L2. -1: not decided yet.
-std::atomic<int> g_l2_ahead{-1};
-std::atomic<int64_t> g_l2_ahead_budget{-1};
-
-bool l2_ahead_on() { return env_switch(g_l2_ahead, "DS4_GPU_MV_L2AHEAD", cuda_sm90()); }
-
-int64_t l2_ahead_budget() {
-  int64_t v = g_l2_ahead_budget.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = static_cast<int64_t>(l2_cache_bytes()) * 3 / 4;
-    if (const char* e = std::getenv("DS4_GPU_MV_L2AHEAD_BYTES"); e != nullptr && *e != 0) {
-      char* end = nullptr;
-      const long long b = std::strtoll(e, &end, 10);
-      if (end != nullptr && *end == 0 && b >= 0) v = b;
-    }
-    g_l2_ahead_budget.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 // PL: X is a planes buffer (Q8_0's integer products; ldx and batch.x in bytes).
 template <int T, int NC, bool PL>
 void launch_dense_shape(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y, int64_t ldy,
@@ -285,13 +262,10 @@ void launch_dense_shape(const TensorView& W, int64_t units, const float* X, int6
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
   // One shape's launch: br rows a block, then the (persistent) grid.
   auto run = [&](auto kernel, int64_t br, int64_t resident, size_t smem = 0) {
-    const int64_t row_blocks = (rows + br - 1) / br;
-    const int64_t n_blocks = dense_grid(row_blocks, resident, n_batch);
+    const int64_t n_blocks = dense_grid((rows + br - 1) / br, resident, n_batch);
     const dim3 grid(static_cast<unsigned>(n_blocks), static_cast<unsigned>(n_batch));
-    const int64_t in_flight = resident > 0 ? std::min(n_blocks * n_batch, resident) : n_blocks * n_batch;
-    MatvecBatch b = batch;
-    b.l2_ahead = l2_ahead_blocks(br * W.row_bytes(), in_flight, (row_blocks + n_blocks - 1) / n_blocks);
-    launch(kernel, grid, kMatvecThreads, smem, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy, chunks, b);
+    launch(kernel, grid, kMatvecThreads, smem, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y, ldy, chunks,
+           batch);
   };
   if constexpr (kTall2Type<T> && NC <= kTall2MaxCols) {
     if (tall && tall_takes(rows, W.ne[0]) && chunks && tall_stages_now() == 2) {
@@ -461,10 +435,8 @@ void launch_staged_shape(const TensorView& W, int64_t units, const float* X, int
   const int64_t resident = static_cast<int64_t>(g_staged.sms) * staged_blocks_per_sm(f, dyn);
   const int64_t grid = std::min<int64_t>(n_blocks, std::max<int64_t>(1, resident / n_batch));
   const bool chunks = use_chunks<T>(W, units) && batch.w_bytes % 16 == 0;
-  MatvecBatch b = batch;
-  b.l2_ahead = l2_ahead_blocks(br * W.row_bytes(), std::min(grid * n_batch, resident), (n_blocks + grid - 1) / grid);
   launch(matvec_staged_kernel<T, NC, PL>, dim3(static_cast<unsigned>(grid), static_cast<unsigned>(n_batch)),
-         kStagedThreads, dyn, s, W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, b);
+         kStagedThreads, dyn, s, W.data, W.row_bytes(), rows, units, ks, K, X, ldx, Y, ldy, chunks, batch);
 }
 
 template <int T, int NC>
@@ -608,12 +580,9 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   auto go = [&](auto kernel) {
-    const int64_t resident = resident_blocks(reinterpret_cast<const void*>(kernel), kMatvecThreads, smem);
-    const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y;
-    const int64_t ask = l2_ask_bytes(block_rows * W.row_bytes(), resident > 0 ? std::min(blocks, resident) : blocks);
     launch(kernel, grid, kMatvecThreads, smem, s, W.data, nullptr, W.row_bytes() * rows, W.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y},
-           ldy, stages, groups, gp.data, gp.ldp, ask);
+           ldy, stages, groups, gp.data, gp.ldp);
   };
   if (gp.data != nullptr) go(matvec_grouped_own_kernel<MAXC, KS, false, GroupedStore, true>);
   else if (fast) go(matvec_grouped_own_kernel<MAXC, KS, true, GroupedStore>);
@@ -1038,42 +1007,6 @@ bool tall_takes(int64_t rows, int64_t k) { return rows >= kTallRows && k >= tall
 void set_matvec_tall_min_k(int64_t k) { g_tall_min_k.store(k >= 0 ? k : -1, std::memory_order_relaxed); }
 
 int64_t matvec_tall_min_k() { return tall_min_k_now(); }
-
-void set_matvec_l2_ahead(int on, int64_t budget) {
-  if (on >= 0) g_l2_ahead.store(on != 0 && cuda_sm90() ? 1 : 0, std::memory_order_relaxed);
-  else g_l2_ahead.store(-1, std::memory_order_relaxed);
-  g_l2_ahead_budget.store(budget >= 0 ? budget : -1, std::memory_order_relaxed);
-}
-
-int64_t matvec_l2_ahead() { return l2_ahead_on() ? l2_ahead_budget() : 0; }
-
-int l2_ahead_blocks(int64_t rb_bytes, int64_t blocks, int64_t rounds) {
-  if (rb_bytes <= 0 || blocks <= 0 || rounds <= 0 || !l2_ahead_on()) return 0;
-  const int64_t fit = l2_ahead_budget() / (rb_bytes * blocks);
-  return static_cast<int>(std::min<int64_t>({fit, rounds, 64}));
-}
-
-int64_t l2_ask_bytes(int64_t share, int64_t blocks) {
-  if (share <= 0 || blocks <= 0 || !l2_ahead_on()) return 0;
-  const int64_t each = std::min(share, l2_ahead_budget() / blocks);
-  return each >= kL2AskPiece / 2 ? each : 0;  // less than half a piece a block: not worth the asks
-}
-
-int64_t resident_blocks(const void* fn, int threads, size_t smem) {
-  static std::mutex mu;
-  static std::map<std::pair<const void*, size_t>, int64_t> known;
-  std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_pair(fn, smem);
-  if (auto it = known.find(key); it != known.end()) return it->second;
-  int per_sm = 0;
-  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem) != cudaSuccess) {
-    (void)cudaGetLastError();
-    per_sm = 0;
-  }
-  const int64_t n = static_cast<int64_t>(device_sms()) * per_sm;
-  known.emplace(key, n);
-  return n;
-}
 
 void set_matvec_grouped(int variant, int stages, int width) {
   if (variant < kGroupedPass5 || variant > kGroupedOwnFast)

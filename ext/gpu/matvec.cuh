@@ -299,33 +299,6 @@ __device__ __forceinline__ float fma4(const float* w, float4 x, float acc) {
   return fmaf(w[3], x.w, acc);
 }
 
-// L2 run-ahead (set_matvec_l2_ahead, matvec.cu): the block's threads ask L2 for [p, p + bytes)
-// (trimmed inward to 16-byte boundaries), thread t the pieces t, t + blockDim.x, ... of
-// kL2AskPiece bytes (ds4_l2_ask). Nothing waits for it; a result never depends on it.
-constexpr int64_t kL2AskPiece = 32 * 1024;
-__device__ __forceinline__ void l2_ask_range(const uint8_t* p, int64_t bytes) {
-  const uintptr_t lo = (reinterpret_cast<uintptr_t>(p) + 15) & ~uintptr_t{15};
-  const uintptr_t hi = (reinterpret_cast<uintptr_t>(p) + static_cast<uintptr_t>(bytes)) & ~uintptr_t{15};
-  if (bytes <= 0 || hi <= lo) return;
-  const int64_t n = static_cast<int64_t>(hi - lo);
-  for (int64_t off = static_cast<int64_t>(threadIdx.x) * kL2AskPiece; off < n;
-       off += static_cast<int64_t>(blockDim.x) * kL2AskPiece)
-    ds4_l2_ask(reinterpret_cast<const void*>(lo + off),
-               static_cast<uint32_t>(n - off < kL2AskPiece ? n - off : kL2AskPiece));
-}
-
-// The L2 run-ahead's unit: row blocks b0 + j b_step for j in [j0, j1) below b_end, each br rows
-// (consecutive in W, so one range each).
-__device__ __forceinline__ void l2_ask_row_blocks(const uint8_t* W, int64_t row_bytes, int64_t rows, int64_t br,
-                                                  int64_t b0, int64_t b_step, int64_t b_end, int j0, int j1) {
-  for (int j = j0; j < j1; ++j) {
-    const int64_t b = b0 + j * b_step;
-    if (b >= b_end) return;
-    const int64_t first = b * br;
-    l2_ask_range(W + first * row_bytes, (rows - first < br ? rows - first : br) * row_bytes);
-  }
-}
-
 // A block's share: row blocks b = b0, b0 + b_step, ... below b_end, each of R * (warps / ks) rows
 // (warp w works on rows b * R * (warps / ks) + (w / ks) * R + [0, R) and k-slice w % ks), NC
 // columns. xload(c, k): the 4 activations X[c][k..k+3] (k a multiple of 4) from wherever they live
@@ -338,17 +311,11 @@ __device__ __forceinline__ void l2_ask_row_blocks(const uint8_t* W, int64_t row_
 // while the lanes work on the current one. The same units in the same order as the direct loads,
 // so the same bits, whatever the number of row blocks a block takes (a speed choice of the
 // launcher).
-//
-// ahead > 0 (the L2 run-ahead, a speed choice of the launcher): the block asks L2 for its first
-// `ahead` row blocks before anything else (before the grid wait: weights only; first_asked: the
-// kernel has asked for them already), and for row block j + ahead as it starts row block j, so
-// its weights stream from HBM at full speed ahead of the copies that read them, instead of one
-// chunk a warp at a time. No result changes.
 template <int T, int NC, int R, int S, class XLoad, class YOff>
 __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows,
                                               int64_t units, int ks, int64_t b0, int64_t b_step, int64_t b_end,
                                               XLoad xload, float* __restrict__ Y, YOff yoff, float* part,
-                                              bool chunked, uint8_t* wbuf, int ahead = 0, bool first_asked = false) {
+                                              bool chunked, uint8_t* wbuf) {
   using U = Unit<T>;
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int group = warp / ks, slice = warp % ks;
@@ -361,9 +328,6 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
     const int64_t row = b * br + static_cast<int64_t>(group) * R + r;
     return W + (row < rows ? row : rows - 1) * row_bytes;
   };
-  // The L2 run-ahead: row block b's bytes.
-  auto ask = [&](int64_t b) { l2_ask_row_blocks(W, row_bytes, rows, br, b, b_step, b_end, 0, 1); };
-  if (!first_asked) l2_ask_row_blocks(W, row_bytes, rows, br, b0, b_step, b_end, 0, ahead);
 
   // Unit u of every row, decoded once and applied to every column, elements in a fixed order.
   auto apply = [&](const typename U::Raw (&raw)[R], int64_t u) {
@@ -515,7 +479,6 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
       // The first weights are in flight; X and Y belong to the kernels before this one (launch.cuh).
       ds4_grid_begin();
       for (int64_t b = b0; b < b_end; b += b_step) {
-        if (ahead > 0) ask(b + ahead * b_step);
         zero();
         for (int i = 0; i < passes; ++i) {
           if constexpr (S == 2) {
@@ -560,7 +523,6 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
   constexpr int A = kFloatShort ? (kShortAhead > 1 ? kShortAhead : 1) : (T == kF16 || T == kBF16) ? 2 : 1;
   ds4_grid_begin();
   for (int64_t b = b0; b < b_end; b += b_step) {
-    if (ahead > 0) ask(b + ahead * b_step);
     zero();
     const uint8_t* rowp[R];
 #pragma unroll
@@ -620,7 +582,6 @@ struct GlobalX {
 // are computed exactly as a launch of its own would compute them.
 struct MatvecBatch {
   int64_t w_bytes = 0, x = 0, y = 0;
-  int32_t l2_ahead = 0;  // matvec_blocks' `ahead`: the L2 run-ahead's row blocks (0: off)
 };
 
 // Blocks resident per SM the register allocation must allow: 4 (<= 128 registers a thread) for
@@ -672,13 +633,11 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
   if constexpr (PL) {
     const uint8_t* P = reinterpret_cast<const uint8_t*>(X) + blockIdx.y * batch.x;
     matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
-                               PlanesX<DenseOff, true>{P, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf,
-                               batch.l2_ahead);
+                               PlanesX<DenseOff, true>{P, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
   } else {
     X += blockIdx.y * batch.x;
     matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
-                               GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf,
-                               batch.l2_ahead);
+                               GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{ldy}, part, chunked, wbuf);
   }
 }
 
@@ -737,15 +696,10 @@ __global__ void __launch_bounds__(kStagedThreads)
     matvec_staged_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                          int64_t K, const float* __restrict__ X, int64_t ldx, float* __restrict__ Y, int64_t ldy,
                          bool chunked, MatvecBatch batch) {
-  W += blockIdx.y * batch.w_bytes;
-  constexpr int R = kStagedRows;
-  const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
-  const int64_t n_blocks = (rows + br - 1) / br;
-  // The L2 run-ahead's first row blocks before the wait (the weights are constant); the rest as
-  // matvec_blocks walks them.
-  l2_ask_row_blocks(W, row_bytes, rows, br, blockIdx.x, gridDim.x, n_blocks, 0, batch.l2_ahead);
   ds4_grid_begin();
+  W += blockIdx.y * batch.w_bytes;
   Y += blockIdx.y * batch.y;
+  constexpr int R = kStagedRows;
   extern __shared__ float4 xs[];
   __shared__ float part[kStagedWarps * R * NC];
   if constexpr (PL) {
@@ -757,10 +711,12 @@ __global__ void __launch_bounds__(kStagedThreads)
       for (int64_t j = threadIdx.x; j < col_vec; j += kStagedThreads) dst[j] = ds4_ldg(src + j);
     }
     __syncthreads();
+    const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
+    const int64_t n_blocks = (rows + br - 1) / br;
     uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs) + NC * col_vec * 16;
     matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks,
                                PlanesX<DenseOff, false>{reinterpret_cast<const uint8_t*>(xs), DenseOff{col_vec * 16}},
-                               Y, DenseOff{ldy}, part, chunked, wbuf, batch.l2_ahead, true);
+                               Y, DenseOff{ldy}, part, chunked, wbuf);
   } else {
     X += blockIdx.y * batch.x;
     const int col4 = static_cast<int>(staged_col4(K));
@@ -784,9 +740,11 @@ __global__ void __launch_bounds__(kStagedThreads)
       }
     }
     __syncthreads();
+    const int64_t br = static_cast<int64_t>(R) * (kStagedWarps / ks);
+    const int64_t n_blocks = (rows + br - 1) / br;
     uint8_t* wbuf = reinterpret_cast<uint8_t*>(xs + static_cast<int64_t>(NC) * col4);
     matvec_blocks<T, NC, R, 2>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, n_blocks, StagedX<T>{xs, col4}, Y,
-                               DenseOff{ldy}, part, chunked, wbuf, batch.l2_ahead, true);
+                               DenseOff{ldy}, part, chunked, wbuf);
   }
 }
 
@@ -953,18 +911,6 @@ int matvec_grouped_groups();  // the setting (0: per launch)
 // The row groups a launch of the own kernel over `rows` rows of max_parts parts takes, its blocks
 // covering block_rows rows each with one (grouped_own_block_rows).
 int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts);
-
-// The L2 run-ahead's launch choices (host side, matvec.cu; set_matvec_l2_ahead): how many row blocks
-// of rb_bytes each of `blocks` blocks in flight keeps asked for (matvec_blocks' `ahead`), at most
-// `rounds`, the most row blocks a block takes; 0 with the switch off or where the budget does not
-// cover one row block a block.
-int l2_ahead_blocks(int64_t rb_bytes, int64_t blocks, int64_t rounds);
-// The same for kernels that ask for the first bytes of one share a block (the own grouped kernel's
-// `l2_ask`): the share's bytes, or what the budget leaves each of `blocks` blocks if less; 0 off.
-int64_t l2_ask_bytes(int64_t share, int64_t blocks);
-// Blocks of kernel `fn` (threads a block, `smem` bytes of dynamic shared memory) the whole device
-// holds at once, 0 where the runtime cannot say; asked once per kernel and size.
-int64_t resident_blocks(const void* fn, int threads, size_t smem);
 
 // The (d*sc, dmin*m) pairs of the two sub-blocks of unit position c (0..3) of a Q4_K block whose
 // first 16 bytes are the words dd, s0, s1, s2: sub-blocks 2c and 2c + 1 use bytes 2 (c & 1) and
@@ -1329,7 +1275,7 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
                               const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                               const int32_t* __restrict__ x_row, const float* __restrict__ X, int64_t ldx,
                               const Store store, int64_t ldy, int stages, int groups,
-                              const uint8_t* __restrict__ planes, int64_t ldp, int64_t l2_ask) {
+                              const uint8_t* __restrict__ planes, int64_t ldp) {
   ds4_grid_begin();
   extern __shared__ __align__(16) uint8_t grouped_own_buf[];
   const int p = static_cast<int>(blockIdx.y);
@@ -1340,14 +1286,6 @@ __global__ void __launch_bounds__(kMatvecThreads, DS4_MV_OWN_MINB)
   const int64_t eoff = static_cast<int64_t>(pt.expert) * expert_bytes;
   const uint8_t* We = W + eoff;
   const uint8_t* We2 = Store::kPair ? W2 + eoff : We;
-  if (l2_ask > 0) {  // the L2 run-ahead: the first l2_ask bytes of the block's rows of each stack
-    const int64_t brows = static_cast<int64_t>(kMatvecWarps) * grouped_own_rows(MAXC) / (Store::kPair ? 2 : 1) * groups;
-    const int64_t r0 = static_cast<int64_t>(blockIdx.x) * brows;
-    const int64_t share = (rows - r0 < brows ? rows - r0 : brows) * row_bytes;
-    const int64_t n = share < l2_ask ? share : l2_ask;
-    l2_ask_range(We + r0 * row_bytes, n);
-    if constexpr (Store::kPair) l2_ask_range(We2 + r0 * row_bytes, n);
-  }
   for (int c0 = 0; c0 < pt.count; c0 += MAXC) {
     const int nc = pt.count - c0 < MAXC ? pt.count - c0 : MAXC;
     grouped_own_nc<MAXC, KS, FAST, grouped_own_rows(MAXC), Store, PL>(nc, We, We2, row_bytes, rows, units,
@@ -1391,7 +1329,6 @@ struct MultiArgs {
   const uint8_t* planes;  // the Q8_0 products' planes of X (xplanes.cuh), null for the float path
   int64_t ldp;            // bytes a column of planes
   int32_t n;
-  int32_t l2_ahead;       // 1: each block asks L2 for its row block first (matvec_blocks' `ahead`)
 };
 
 template <int T, int NC, int R>
@@ -1407,12 +1344,12 @@ __device__ __forceinline__ void multi_product(const MultiProduct& p, const Multi
     if (a.planes != nullptr) {
       matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, b, nb, nb,
                                  PlanesX<DenseOff, true>{a.planes, DenseOff{a.ldp}}, p.Y, DenseOff{p.ldy}, part,
-                                 p.chunked != 0, wbuf, a.l2_ahead);
+                                 p.chunked != 0, wbuf);
       return;
     }
   }
   matvec_blocks<T, NC, R, S>(p.W, p.row_bytes, p.rows, units, p.ks, b, nb, nb, GlobalX<DenseOff>{X, DenseOff{ldx}}, p.Y,
-                             DenseOff{p.ldy}, part, p.chunked != 0, wbuf, a.l2_ahead);
+                             DenseOff{p.ldy}, part, p.chunked != 0, wbuf);
 }
 
 // The descriptor table stays in the parameter space, read by index (CUDA: __grid_constant__, so a

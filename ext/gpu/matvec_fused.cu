@@ -181,13 +181,6 @@ int launch_group(const MatvecProduct* ps, const int64_t* units, const int* idx, 
     if (first > std::numeric_limits<int32_t>::max())
       throw std::invalid_argument("GPU matvec_multi: more than 2^31 row blocks in one launch");
   }
-  // The L2 run-ahead: each block's one row block, where the budget covers every block's.
-  int64_t rb_max = 0;
-  for (int j = 0; j < m; ++j) {
-    const int ks = a.p[j].ks;
-    rb_max = std::max<int64_t>(rb_max, static_cast<int64_t>(R) * (kMatvecWarps / ks) * a.p[j].row_bytes);
-  }
-  a.l2_ahead = l2_ahead_blocks(rb_max, first, 1);
   launch_multi(ta, tb, use_tall, nc, a, first, X, ldx, s);
   DS4_GPU_CHECK_LAUNCH("matvec_multi_kernel");
   return 1;
@@ -226,14 +219,9 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   const int64_t expert_bytes = Wg.row_bytes() * rows;
   auto go = [&](auto kernel) {
-    // The L2 run-ahead: a block's rows of both stacks.
-    const int64_t resident = resident_blocks(reinterpret_cast<const void*>(kernel), kMatvecThreads, smem);
-    const int64_t blocks = static_cast<int64_t>(grid.x) * grid.y;
-    const int64_t ask =
-        l2_ask_bytes(2 * block_rows * Wg.row_bytes(), resident > 0 ? std::min(blocks, resident) : blocks) / 2;
     launch(kernel, grid, kMatvecThreads, smem, s, Wg.data, Wu.data, expert_bytes, Wg.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, store, ldy,
-           stages, groups, planes.data, planes.ldp, ask);
+           stages, groups, planes.data, planes.ldp);
   };
   const bool pl = planes.data != nullptr;
   if (ks == 1) {

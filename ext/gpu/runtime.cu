@@ -162,11 +162,6 @@ void set_matvec_persistent(bool on) { ds4::gpu::set_matvec_persistent(on); }
 
 void set_matvec_tall_stages(int stages) { ds4::gpu::set_matvec_tall_stages(stages); }
 
-int64_t set_matvec_l2_ahead(int on, int64_t budget) {
-  ds4::gpu::set_matvec_l2_ahead(on, budget);
-  return ds4::gpu::matvec_l2_ahead();
-}
-
 int64_t set_matvec_tall_min_k(int64_t k) {
   ds4::gpu::set_matvec_tall_min_k(k);
   return ds4::gpu::matvec_tall_min_k();

@@ -228,20 +228,6 @@ __device__ __forceinline__ void ds4_cp_async_wait() {
 #endif
 }
 
-// ds4_l2_ask(p, bytes): asks the memory system to bring [p, p + bytes) into L2 and returns at once
-// (sm_90's cp.async.bulk.prefetch.L2: handed to the SM's copy engine, no destination, nothing to
-// wait for; p 16-byte aligned, bytes a multiple of 16). It reads nothing a kernel computes with,
-// so it never changes a result, and it may run before ds4_grid_wait (weights only). Elsewhere
-// (HIP, older devices) it does nothing.
-__device__ __forceinline__ void ds4_l2_ask(const void* p, uint32_t bytes) {
-#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(bytes) : "memory");
-#else
-  (void)p;
-  (void)bytes;
-#endif
-}
-
 // A barrier and shared-memory fence among the 32 lanes of a logical warp (all of them take part).
 __device__ __forceinline__ void ds4_syncwarp() {
 #if defined(DS4_HIP)

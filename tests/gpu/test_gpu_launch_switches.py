@@ -10,9 +10,6 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_persistent(on)``: the direct matvec kernel's persistent grid (matvec.cu;
   DS4_GPU_MV_PERSIST=0): each block walks several row blocks.
 - ``gpu_set_matvec_tall_stages(1 or 2)``: the tall variant's chunk stages (DS4_GPU_MV_TALL_STAGES=2).
-- ``gpu_set_matvec_l2_ahead(on, budget) -> budget``: the weight kernels' L2 run-ahead (matvec.cuh
-  matvec_blocks' ``ahead``; DS4_GPU_MV_L2AHEAD=0): each block asks L2 for its weight rows before it
-  waits for its inputs (tests/gpu/test_gpu_l2_ahead.py covers the kernels).
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
@@ -50,7 +47,6 @@ def restore_pdl():
     T.gpu_set_matvec_persistent(True)
     T.gpu_set_matvec_tall_stages(1)
     T.gpu_set_matvec_mma(False)
-    T.gpu_set_matvec_l2_ahead(-1, -1)
 
 
 def set_persistent(on: bool) -> bool:
@@ -63,14 +59,7 @@ def set_tall_stages(on: bool) -> bool:
     return True
 
 
-def set_l2_ahead(on: bool) -> bool:
-    """Off, or on at its default budget; whether the graph key changed from a fresh engine's (off
-    always captures anew; on only where the device can ask L2)."""
-    return T.gpu_set_matvec_l2_ahead(1 if on else 0, -1) > 0 or not on
-
-
-SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages,
-            "l2ahead": set_l2_ahead}
+SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages}
 
 
 def cases(mf) -> list[list[Seq]]:

@@ -6,16 +6,13 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). The 
 - ``GpuEngine.use_l2_prefetch``: the switch (default off; on only where the device can prefetch, i.e. CUDA
   compute capability 9.0+; ``DS4_GPU_L2_PREFETCH=0/1`` at construction); setting it on where the
   device cannot leaves it off;
-- ``GpuEngine.use_l2_prefetch_side``: where the windows launch: on a side branch forked at each window
-  and joined at the step's end (default; ``DS4_GPU_L2_PREFETCH_SIDE=0`` at construction: in the stream);
 - ``GpuEngine.l2_prefetch_window_bytes``: the most one window asks for (half the L2, or
   ``DS4_GPU_L2_PREFETCH_BYTES``);
 - ``GpuEngine.l2_prefetch_log()``: (window, layer, file offset, bytes) of every range the last
   launched step asked for.
 
 The logits tests compare the switch on and off bit for bit, eagerly and under graphs (where the switch
-must capture new graphs: it is part of the graph key), with the windows on the side branch and in the
-stream, at one and three lanes, with the default cap
+must capture new graphs: it is part of the graph key), at one and three lanes, with the default cap
 and with a cap that cuts ranges at offsets that are not multiples of 16 (the launcher trims them).
 The log tests check each window against the file's tensor table: which tensors, in which order, each
 from its first byte, never past its end, at most the cap in all.
@@ -53,7 +50,6 @@ def supported(mf) -> bool:
 def no_prefetch_env(monkeypatch):
     monkeypatch.delenv("DS4_GPU_L2_PREFETCH", raising=False)
     monkeypatch.delenv("DS4_GPU_L2_PREFETCH_BYTES", raising=False)
-    monkeypatch.delenv("DS4_GPU_L2_PREFETCH_SIDE", raising=False)
     return monkeypatch
 
 
@@ -67,9 +63,6 @@ def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env)
     can = supported(mf)
     eng = gpu_engine(mf)
     assert eng.use_l2_prefetch is False
-    assert eng.use_l2_prefetch_side is True
-    eng.use_l2_prefetch_side = False
-    assert eng.use_l2_prefetch_side is False
     eng.use_l2_prefetch = True
     assert eng.use_l2_prefetch == can
     eng.use_l2_prefetch = False
@@ -82,8 +75,6 @@ def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env)
     assert gpu_engine(mf).use_l2_prefetch is False
     no_prefetch_env.setenv("DS4_GPU_L2_PREFETCH", "1")
     assert gpu_engine(mf).use_l2_prefetch == can
-    no_prefetch_env.setenv("DS4_GPU_L2_PREFETCH_SIDE", "0")
-    assert gpu_engine(mf).use_l2_prefetch_side is False
     no_prefetch_env.setenv("DS4_GPU_L2_PREFETCH_BYTES", str(SMALL_CAP))
     assert gpu_engine(mf).l2_prefetch_window_bytes == SMALL_CAP
     no_prefetch_env.setenv("DS4_GPU_L2_PREFETCH_BYTES", "25MB")
@@ -93,14 +84,13 @@ def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env)
 
 # --- bits -----------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("side", [True, False], ids=["side-branch", "in-stream"])
 @pytest.mark.parametrize("cap", [None, SMALL_CAP], ids=["half-l2", "small-cap"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefetch_env, graphs: bool,  # noqa: F811
-                                                      cap: int | None, side: bool) -> None:
+                                                      cap: int | None) -> None:
     """20 decode steps at one lane and 20 at three lanes (three slots, one starting a step late): the
-    logits with the prefetch on (its windows on the side branch or in the stream) equal those with it
-    off, bit for bit; under graphs turning the switch captures new graphs."""
+    logits with the prefetch on equal those with it off, bit for bit; under graphs turning the switch
+    captures new graphs."""
     mf = tiny_model_file
     if not supported(mf):
         pytest.skip("this device cannot prefetch into L2 (the switch stays off)")
@@ -114,7 +104,6 @@ def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefet
     ]
     eng = gpu_engine(mf)
     eng.use_graphs = graphs
-    eng.use_l2_prefetch_side = side
     passes = []
     captured = eng.graphs_captured
     for i, on in enumerate((False, True, False)):

@@ -44,10 +44,8 @@ includes the plan upload, every kernel and the logits download). Method:
   a warp of the own grouped Q4_K kernel streams in one copy stream (routed experts; 0 chosen per
   launch), `ownstages=N` that kernel's copy stages (2..4), `ownwidth=N` its widest sub-part (1, 2,
   4, 8; setting these selects the own grouped kernel, so --variants runs it whatever
-  DS4_GPU_MV_GROUPED says), `l2side=0/1` the L2 prefetch windows on a side branch or in the
-  stream, `l2ahead=0/1` the weight kernels' L2 run-ahead and `l2bytes=N` its budget in bytes (-1:
-  the default), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements a row it takes
-  (0 any; -1 the default); joined
+  DS4_GPU_MV_GROUPED says), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements
+  a row it takes (0 any; -1 the default); joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
@@ -205,10 +203,10 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 
 # The switches a --variants entry may name, each with its setter; unnamed ones go back to the default
 # (l2's: the engine's; -1: the integer tensor cores' setters go back to the library's, imma.h).
-SWITCH_DEFAULTS = {"pdl": True, "l2": None, "l2side": True, "mma": False, "fuse": True, "persist": True,
+SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
-                   "ownstages": -1, "ownwidth": -1, "l2ahead": -1, "l2bytes": -1, "tall": True, "tallk": -1}
+                   "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -217,15 +215,14 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "l2bytes", "tallk"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk"):
             want[key] = int(value)
-        elif key in ("immaahead", "immapersist", "l2ahead"):
+        elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
         else:
             want[key] = value != "0"
     _native._testing.gpu_set_pdl(want["pdl"])
     runner._impl.use_l2_prefetch = want["l2"]
-    runner._impl.use_l2_prefetch_side = want["l2side"]
     runner._impl.use_branches = want["branch"]
     _native._testing.gpu_set_matvec_mma(want["mma"])
     _native._testing.gpu_set_matvec_fuse(want["fuse"])
@@ -238,7 +235,6 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_planes_fused(want["planes"])
     _native._testing.gpu_set_matvec_grouped_groups(want["owngroups"])
     _native._testing.gpu_set_matvec_grouped(1, want["ownstages"], want["ownwidth"])
-    _native._testing.gpu_set_matvec_l2_ahead(want["l2ahead"], want["l2bytes"])
     runner._impl.use_tall_matvec = want["tall"]
     _native._testing.gpu_set_matvec_tall_min_k(want["tallk"])
 
