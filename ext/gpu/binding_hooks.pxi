@@ -324,8 +324,8 @@ def _t_gpu_set_matvec_tall_stages(int stages):
 
 def _t_gpu_set_matvec_tall_min_k(int64_t k):
     """The fewest elements a row a matrix needs to take the tall matvec variant (with the engine's tall
-    switch on and at least 16384 rows), process-wide: 0 any (the default), -1 back to
-    DS4_GPU_MV_TALL_MIN_K. Returns the value in force (the bits never change)."""
+    switch on and at least 16384 rows), process-wide: 0 any, -1 back to DS4_GPU_MV_TALL_MIN_K or the
+    default, 2048. Returns the value in force (the bits never change)."""
     return int(gpu_set_matvec_tall_min_k(k))
 
 

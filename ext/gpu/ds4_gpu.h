@@ -97,8 +97,8 @@ void set_matvec_persistent(bool on);
 // DS4_GPU_MV_TALL_STAGES=2). Same bits.
 void set_matvec_tall_stages(int stages);
 // The fewest elements a row a matrix must have to take the tall variant when asked for (matvec.cuh
-// kTallRows: q_b has 1024, the LM head 4096); 0 (the default, DS4_GPU_MV_TALL_MIN_K) any, -1 back to
-// the environment's value. Same bits; the engine keys its graphs by it.
+// kTallRows: q_b has 1024, the LM head 4096): 2048 by default (DS4_GPU_MV_TALL_MIN_K sets it), 0 any,
+// -1 back to the environment's value or the default. Same bits; the engine keys its graphs by it.
 void set_matvec_tall_min_k(int64_t k);
 int64_t matvec_tall_min_k();
 // The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and

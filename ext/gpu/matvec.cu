@@ -188,10 +188,14 @@ constexpr int kTall2MaxCols = 4;
 std::atomic<int> g_tall_stages{-1};  // -1: not read from the environment yet
 std::atomic<int64_t> g_tall_min_k{-1};  // -1: not read from the environment yet
 
+// The tall variant's least row width: 2048 by default (pass 16's timeline of a C=1 step: q_b's 1024
+// elements a row on the tall kernel, one chunk a row block and two row blocks a block, the second
+// copied only once the first is done, finished 4-5 us later a layer than on the direct kernel's
+// double-buffered stream; the LM head's 4096 stay tall).
 int64_t tall_min_k_now() {
   int64_t v = g_tall_min_k.load(std::memory_order_relaxed);
   if (v < 0) {
-    v = 0;
+    v = 2048;
     if (const char* e = std::getenv("DS4_GPU_MV_TALL_MIN_K"); e != nullptr && *e != 0) {
       char* end = nullptr;
       const long long k = std::strtoll(e, &end, 10);

@@ -56,7 +56,7 @@ __host__ __device__ constexpr int rows_per_warp(int nc) { return nc <= 4 ? DS4_M
 constexpr int64_t kTallRows = 16384;
 // Host side (matvec.cu): whether a matrix of `rows` rows of `k` elements takes the tall variant when
 // asked for: at least kTallRows rows and at least matvec_tall_min_k() elements a row
-// (set_matvec_tall_min_k, DS4_GPU_MV_TALL_MIN_K; 0: any). R never changes a result.
+// (set_matvec_tall_min_k, DS4_GPU_MV_TALL_MIN_K; default 2048, 0: any). R never changes a result.
 bool tall_takes(int64_t rows, int64_t k);
 
 // --- units: what one lane loads and decodes at a time ----------------------------------------

@@ -10,6 +10,9 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_persistent(on)``: the direct matvec kernel's persistent grid (matvec.cu;
   DS4_GPU_MV_PERSIST=0): each block walks several row blocks.
 - ``gpu_set_matvec_tall_stages(1 or 2)``: the tall variant's chunk stages (DS4_GPU_MV_TALL_STAGES=2).
+- ``gpu_set_matvec_tall_min_k(k) -> k``: the fewest elements a row the tall variant takes
+  (DS4_GPU_MV_TALL_MIN_K; default 2048, 0 any, -1 back to the default); narrower matrices take the
+  direct kernel.
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
@@ -47,6 +50,7 @@ def restore_pdl():
     T.gpu_set_matvec_persistent(True)
     T.gpu_set_matvec_tall_stages(1)
     T.gpu_set_matvec_mma(False)
+    T.gpu_set_matvec_tall_min_k(-1)
 
 
 def set_persistent(on: bool) -> bool:
@@ -59,7 +63,13 @@ def set_tall_stages(on: bool) -> bool:
     return True
 
 
-SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages}
+def set_tall_min_k(on: bool) -> bool:
+    assert T.gpu_set_matvec_tall_min_k(4096 if on else 0) == (4096 if on else 0)
+    return True
+
+
+SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages,
+            "tallk": set_tall_min_k}
 
 
 def cases(mf) -> list[list[Seq]]:
@@ -97,6 +107,25 @@ def test_persistent_grid_gives_the_same_bits(t: int, tall: bool, restore_pdl) ->
             out[on] = T.gpu_matmul(t, raw, ne0, ne1, x, tall=tall, staged=False)
         assert np.isfinite(out[True]).all()
         assert np.array_equal(bits(out[False]), bits(out[True])), f"{ncols} columns"
+
+
+@pytest.mark.parametrize("t", [Q8_0, F16], ids=["Q8_0", "F16"])
+def test_tall_least_width_sends_narrow_rows_to_the_direct_kernel(t: int, restore_pdl) -> None:
+    """q_b's shape (32768 rows of 1024) and the LM head's width (4096) with the tall variant asked for:
+    the least width 0 / 2048 / 8192 (tall, direct, direct; tall, tall, direct) gives the same bits at 1,
+    3 and 16 columns."""
+    rng = np.random.default_rng(17)
+    for ne0, ne1 in ((1024, 32768), (4096, 16400)):
+        raw = tame_raw(t, ne0 * ne1, rng)
+        x = rng.standard_normal((16, ne0)).astype(np.float32)
+        out = {}
+        for k in (0, 2048, 8192):
+            assert T.gpu_set_matvec_tall_min_k(k) == k
+            out[k] = [T.gpu_matmul(t, raw, ne0, ne1, x[:n], tall=True, staged=False) for n in (1, 3, 16)]
+        for k in (2048, 8192):
+            for a, b in zip(out[0], out[k]):
+                assert np.isfinite(b).all()
+                assert np.array_equal(bits(a), bits(b)), (ne0, k)
 
 
 def test_tall_two_stages_give_the_same_bits(restore_pdl) -> None:
