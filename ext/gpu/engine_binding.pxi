@@ -30,6 +30,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool matvec_tall()
         void set_matvec_staged(cbool on) except +
         cbool matvec_staged()
+        void set_matvec_staged_min(int cols) except +
+        int matvec_staged_min()
         void set_l2_prefetch(cbool on) except +
         cbool l2_prefetch()
         void set_branches(cbool on) except +
@@ -191,6 +193,16 @@ cdef class GpuEngine:
     @use_staged_matvec.setter
     def use_staged_matvec(self, on):
         self._get().set_matvec_staged(bool(on))
+
+    @property
+    def staged_min_cols(self):
+        """The fewest columns a product takes the staged kernel from (with use_staged_matvec on; same
+        bits; default 2, DS4_GPU_MV_STAGED_MIN=N at construction)."""
+        return int(self._get().matvec_staged_min())
+
+    @staged_min_cols.setter
+    def staged_min_cols(self, int cols):
+        self._get().set_matvec_staged_min(cols)
 
     @property
     def use_l2_prefetch(self):

@@ -208,16 +208,18 @@ struct GpuEngine::Impl {
   bool graphs = false;
   bool tall = false;    // matvec's tall variant for q_b and the LM head
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
+  int staged_cols = kMatvecStagedMin;  // ... of at least this many columns
   bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
   uint64_t prefetch_cap = 0;  // bytes one window asks for at most
   std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
-  // Key: (lanes, slot groups, logit lanes, tall, staged, matvec_settings_key(): the chunked loads,
+  // Key: (lanes, slot groups, logit lanes, tall, the staged kernel's least columns (off: a huge
+  // number), matvec_settings_key(): the chunked loads,
   // the grouped variant, stages and width, fusion, and the tensor-core switch with its launch
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
   // least row width).
-  using GraphKey = std::tuple<int, int, int, bool, bool, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t>;
+  using GraphKey = std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -292,7 +294,7 @@ struct GpuEngine::Impl {
     DS4_GPU_CHECK(cudaStreamWaitEvent(stream, join_ev, 0));
     side_pending = false;
   }
-  int staged_min() const { return staged ? kMatvecStagedMin : kMatvecStagedOff; }
+  int staged_min() const { return staged ? staged_cols : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
     matvec(W, X, ncols, ldx, Y, ldy, stream, tall, staged_min(), scratch());
   }
@@ -351,6 +353,14 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   graphs = env_flag("DS4_GPU_GRAPHS", opts.max_ctx <= kGraphsDefaultMaxCtx);
   tall = env_flag("DS4_GPU_MV_TALL", true);
   staged = env_flag("DS4_GPU_MV_STAGED", true);
+  if (const char* v = std::getenv("DS4_GPU_MV_STAGED_MIN"); v != nullptr && *v != '\0') {
+    char* end = nullptr;
+    const long c = std::strtol(v, &end, 10);
+    if (end == v || *end != '\0' || c < kMatvecStagedMin || c > kMatvecStagedOff)
+      throw std::invalid_argument(std::string("DS4_GPU_MV_STAGED_MIN must be a column count of at least 2, not '") + v +
+                                  "'");
+    staged_cols = static_cast<int>(c);
+  }
   // The L2 prefetch: off by default (measured on the H200, README "Pass 9: outcome": it made flash-l4
   // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
@@ -954,7 +964,7 @@ void GpuEngine::Impl::launch_step() {
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
-  const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged, matvec_settings_key(), prefetch,
+  const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(), prefetch,
                      matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k()};
   auto it = graph_cache.find(key);
@@ -1070,7 +1080,11 @@ void GpuEngine::set_matvec_tall(bool on) { impl_->tall = on; }
 bool GpuEngine::matvec_tall() const { return impl_->tall; }
 void GpuEngine::set_matvec_staged(bool on) { impl_->staged = on; }
 bool GpuEngine::matvec_staged() const { return impl_->staged; }
-
+void GpuEngine::set_matvec_staged_min(int cols) {
+  if (cols < kMatvecStagedMin) throw std::invalid_argument("set_matvec_staged_min: at least 2 columns");
+  impl_->staged_cols = cols;
+}
+int GpuEngine::matvec_staged_min() const { return impl_->staged_cols; }
 void GpuEngine::set_l2_prefetch(bool on) { impl_->prefetch = on && l2_prefetch_supported(); }
 bool GpuEngine::l2_prefetch() const { return impl_->prefetch; }
 void GpuEngine::set_branches(bool on) { impl_->branches = on; }

@@ -84,7 +84,11 @@ class GpuEngine {
   // the same bits, a different speed. Default: on; DS4_GPU_MV_STAGED=0 turns it off.
   void set_matvec_staged(bool on);
   bool matvec_staged() const;
-
+  // The fewest columns a product takes the staged kernel from (with it on): 2 by default,
+  // DS4_GPU_MV_STAGED_MIN=N at construction; narrower products take the direct kernel. The same
+  // bits. Part of the graph key.
+  void set_matvec_staged_min(int cols);
+  int matvec_staged_min() const;
   // L2 prefetch (l2_prefetch.h; ext/gpu/README.md "Pass 9"): before each latency-bound stretch of
   // the step (attention, the FFN prologue, the mHC/norm prologue of the next layer or the head) a
   // small kernel asks L2 for the first bytes of the weights the next weight kernels read, at most
@@ -143,6 +147,8 @@ class GpuEngine {
   bool matvec_tall() const { return false; }
   void set_matvec_staged(bool) { throw std::runtime_error("no GPU backend"); }
   bool matvec_staged() const { return false; }
+  void set_matvec_staged_min(int) { throw std::runtime_error("no GPU backend"); }
+  int matvec_staged_min() const { return 0; }
   void set_l2_prefetch(bool) { throw std::runtime_error("no GPU backend"); }
   bool l2_prefetch() const { return false; }
   void set_branches(bool) { throw std::runtime_error("no GPU backend"); }

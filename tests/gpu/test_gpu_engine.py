@@ -301,6 +301,34 @@ def test_matvec_variants_give_the_same_bits(model_dir: Path, switch: str) -> Non
             assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"{switch}, graphs={graphs}"
 
 
+def test_staged_least_columns_give_the_same_bits(model_dir: Path) -> None:
+    """The staged kernel from 2 columns (the default), from 3 and from 5 (narrower products on the direct
+    kernel): the same bits, eager and under graphs, where a changed least width captures new graphs."""
+    mf = model(model_dir, "tallvocab", seed=5)
+    seqs = [Seq(prompt(mf, 56, 60), slot=0, pages=[0], rows=2),
+            Seq(prompt(mf, 57, 70), slot=2, pages=[4], rows=4, start=1),
+            Seq(prompt(mf, 58, 40), slot=5, pages=[8], rows=1, start=2)]
+    eng = gpu_engine(mf, max_rows=24)
+    assert eng.staged_min_cols == 2
+    eng.use_graphs = False
+    want = run(eng, seqs)
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        for cols in (3, 5):
+            captured = eng.graphs_captured
+            eng.staged_min_cols = cols
+            assert eng.staged_min_cols == cols
+            for s in (0, 2, 5):
+                eng.reset_slot(s)
+            got = run(eng, seqs)
+            for g, w in zip(got, want):
+                assert np.array_equal(g.view(np.uint32), w.view(np.uint32)), f"least {cols}, graphs={graphs}"
+            if graphs:
+                assert eng.graphs_captured > captured
+    with pytest.raises(ValueError, match="at least 2 columns"):
+        eng.staged_min_cols = 1
+
+
 @pytest.mark.parametrize("graphs", [False, True])
 def test_device_argmax_equals_the_logits_argmax(model_dir: Path, graphs: bool) -> None:
     """step_argmax (the greedy token of each logit lane, taken on the device) against numpy's

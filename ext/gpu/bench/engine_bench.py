@@ -45,7 +45,8 @@ includes the plan upload, every kernel and the logits download). Method:
   launch), `ownstages=N` that kernel's copy stages (2..4), `ownwidth=N` its widest sub-part (1, 2,
   4, 8; setting these selects the own grouped kernel, so --variants runs it whatever
   DS4_GPU_MV_GROUPED says), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements
-  a row it takes (0 any; -1 the default); joined
+  a row it takes (0 any; -1 the default), `stagedmin=N` the fewest columns a product takes the
+  staged kernel from; joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
@@ -206,7 +207,7 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
-                   "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1}
+                   "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -215,7 +216,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -237,6 +238,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_matvec_grouped(1, want["ownstages"], want["ownwidth"])
     runner._impl.use_tall_matvec = want["tall"]
     _native._testing.gpu_set_matvec_tall_min_k(want["tallk"])
+    runner._impl.staged_min_cols = want["stagedmin"]
 
 
 class Runs:
