@@ -37,6 +37,8 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
         int n_lanes, int n_head, int head_dim, const float* sinks, float* out) except +
     void gpu_argmax_rows "ds4::gpu::testing::argmax_rows"(const float* X, int n_rows, int64_t n,
                                                           int32_t* out) except +
+    void gpu_route "ds4::gpu::testing::route"(const float* logits, int n, int n_expert, int k, const float* bias,
+                                              cbool norm, float scale, int32_t* ids, float* weights) except +
 
 
 cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
@@ -429,6 +431,26 @@ def _t_gpu_attention_sink(q, kv, key_rows, key_off, sinks):
     return out
 
 
+def _t_gpu_route(logits, bias, int k, norm=True, float scale=1.0):
+    """The biased top-k router on the GPU (not hash-routed): logits [n, n_expert], bias [n_expert];
+    returns (ids int32 [n, k] in selection order, weights float32 [n, k])."""
+    lg = np.ascontiguousarray(logits, dtype=np.float32)
+    b = np.ascontiguousarray(bias, dtype=np.float32)
+    if lg.ndim != 2 or b.shape != (lg.shape[1],) or lg.shape[0] == 0:
+        raise ValueError("logits must be [n, n_expert] and bias [n_expert]")
+    ids = np.zeros((lg.shape[0], k), dtype=np.int32)
+    w = np.zeros((lg.shape[0], k), dtype=np.float32)
+    cdef const float[:, ::1] lv = lg
+    cdef const float[::1] bv = b
+    cdef int32_t[:, ::1] iv = ids
+    cdef float[:, ::1] wv = w
+    cdef int n = lg.shape[0], e = lg.shape[1]
+    cdef cbool nm = bool(norm)
+    with nogil:
+        gpu_route(&lv[0, 0], n, e, k, &bv[0], nm, scale, &iv[0, 0], &wv[0, 0])
+    return ids, w
+
+
 def _t_gpu_argmax(X):
     """Index of each row's maximum (first on ties, NaN largest) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -476,4 +498,5 @@ _GPU_TESTING = dict(
     gpu_rope_tail=_t_gpu_rope_tail,
     gpu_attention_sink=_t_gpu_attention_sink,
     gpu_argmax=_t_gpu_argmax,
+    gpu_route=_t_gpu_route,
 )

@@ -366,6 +366,31 @@ def test_argmax_takes_the_first_maximum() -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("n_expert, k", [(8, 2), (256, 6), (300, 8), (1500, 6)], ids=["tiny", "ds4", "r32", "r128"])
+def test_router_picks_the_reference_experts(n_expert: int, k: int) -> None:
+    """The biased top-k router against the numpy reference (reference/moe.py route: the top k of
+    sqrt(softplus(l)) + bias, ties to the lower id, in descending order; weights from the unbiased
+    scores, renormalized, scaled): random logits and bias, lanes with exact ties (equal logits and bias
+    in several experts, some of them across the lanes' registers), and lanes whose scores are all
+    equal."""
+    from ds4_app.engine.reference.moe import route
+
+    rng = np.random.default_rng(n_expert)
+    n = 8
+    logits = rng.standard_normal((n, n_expert)).astype(np.float32)
+    bias = (rng.standard_normal(n_expert) * 0.1).astype(np.float32)
+    bias[: n_expert // 2] = bias[0]  # many equal biases, so equal logits tie exactly
+    logits[1, [0, 3, n_expert // 2 - 1]] = 5.0
+    logits[2, :] = 1.0
+    logits[3, : n_expert // 2] = logits[3, 0]
+    ids, w = T.gpu_route(logits, bias, k, True, 1.5)
+    for i in range(n):
+        want_ids, want_w = route(logits[i], np.eye(n_expert, dtype=np.float32), n_used=k, bias=bias, scale=1.5)
+        assert np.array_equal(ids[i], want_ids.astype(np.int32)), i
+        assert np.allclose(w[i], want_w, rtol=2e-6, atol=0), i
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("n", [1, 5, 2047, 2048, 2049, 4097, 65536, 129280])
 def test_argmax_across_its_splits(n: int) -> None:
     """Rows cut into several splits (at least 2048 elements each, at most 64): the maximum in any split,
