@@ -964,8 +964,8 @@ void GpuEngine::Impl::launch_step() {
 // Replay the step's bucket graph, capturing it first if this bucket is new.
 void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
-  const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(), prefetch,
-                     matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
+  const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
+                     prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {

@@ -488,9 +488,11 @@ void route(const float* logits, int n, int n_expert, int k, const float* bias, b
   if (err == cudaSuccess) err = cudaMalloc(&d_w, ns * sizeof(float));
   if (err == cudaSuccess) err = cudaMalloc(&d_id, ns * sizeof(int32_t));
   if (err == cudaSuccess) err = cudaMemcpy(d_lg, logits, nl * sizeof(float), cudaMemcpyHostToDevice);
-  if (err == cudaSuccess) err = cudaMemcpy(d_b, bias, static_cast<size_t>(n_expert) * sizeof(float), cudaMemcpyHostToDevice);
+  if (err == cudaSuccess)
+    err = cudaMemcpy(d_b, bias, static_cast<size_t>(n_expert) * sizeof(float), cudaMemcpyHostToDevice);
   try {
-    if (err == cudaSuccess) ds4::gpu::route(d_lg, n, n_expert, k, false, nullptr, nullptr, d_b, norm, scale, d_id, d_w, nullptr);
+    if (err == cudaSuccess)
+      ds4::gpu::route(d_lg, n, n_expert, k, false, nullptr, nullptr, d_b, norm, scale, d_id, d_w, nullptr);
   } catch (...) {
     (void)cudaFree(d_lg), (void)cudaFree(d_b), (void)cudaFree(d_w), (void)cudaFree(d_id);
     throw;

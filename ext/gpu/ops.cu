@@ -167,13 +167,27 @@ __global__ void __launch_bounds__(kAttnCombineThreads)
 // --- argmax -------------------------------------------------------------------------------------
 
 constexpr int kArgmaxThreads = 256;
-constexpr int kArgmaxSplitElems = 2048;  // a split has at least this many elements (fewer splits than kArgmaxMaxSplits)
+constexpr int kArgmaxSplitElems = 2048;  // the least elements a split (unless kArgmaxMaxSplits splits)
 
 // Whether (a, ia) comes before (b, ib): larger value, NaN largest, then the smaller index.
 __device__ __forceinline__ bool better(float a, int ia, float b, int ib) {
   const bool an = isnan(a), bn = isnan(b);
   if (an || bn) return an && (!bn || ia < ib);
   return a > b || (a == b && ia < ib);
+}
+
+// The warp's best (value, index) by the butterfly, in every lane (the order is total: any pairing
+// gives the same result).
+__device__ __forceinline__ void warp_best(float& v, int& idx) {
+#pragma unroll
+  for (int m = 16; m >= 1; m >>= 1) {
+    const float ov = ds4_shfl_xor(v, m);
+    const int oi = ds4_shfl_xor(idx, m);
+    if (better(ov, oi, v, idx)) {
+      v = ov;
+      idx = oi;
+    }
+  }
 }
 
 // The best (value, index) of x[i] for i in [i0, i1): thread t takes i0 + t, i0 + t + blockDim.x, ...
@@ -197,15 +211,7 @@ __device__ __forceinline__ void argmax_block(const float* __restrict__ x, int64_
       }
     }
   }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) {
-    const float ov = ds4_shfl_xor(v, m);
-    const int oi = ds4_shfl_xor(idx, m);
-    if (better(ov, oi, v, idx)) {
-      v = ov;
-      idx = oi;
-    }
-  }
+  warp_best(v, idx);
   if (threadIdx.x % DS4_WARP == 0) {
     bv[threadIdx.x / DS4_WARP] = v;
     bi[threadIdx.x / DS4_WARP] = idx;
@@ -234,7 +240,8 @@ __global__ void __launch_bounds__(kArgmaxThreads)
 
 // Warp r: the best of row r's splits (lane l holds splits l, l + 32, ...), into out[r].
 __global__ void __launch_bounds__(DS4_WARP)
-    argmax_final_kernel(const float* __restrict__ wv, const int* __restrict__ wi, int splits, int32_t* __restrict__ out) {
+    argmax_final_kernel(const float* __restrict__ wv, const int* __restrict__ wi, int splits,
+                        int32_t* __restrict__ out) {
   ds4_grid_begin();
   const int64_t r = blockIdx.x;
   float v = -INFINITY;
@@ -244,15 +251,7 @@ __global__ void __launch_bounds__(DS4_WARP)
       v = wv[r * splits + s];
       idx = wi[r * splits + s];
     }
-#pragma unroll
-  for (int m = 16; m >= 1; m >>= 1) {
-    const float ov = ds4_shfl_xor(v, m);
-    const int oi = ds4_shfl_xor(idx, m);
-    if (better(ov, oi, v, idx)) {
-      v = ov;
-      idx = oi;
-    }
-  }
+  warp_best(v, idx);
   if (threadIdx.x == 0) out[r] = idx;
 }
 
@@ -379,8 +378,8 @@ void argmax_rows(const float* X, int64_t ldx, int n_rows, int64_t n, int32_t* ou
   float* wv = static_cast<float*>(work);
   int* wi = reinterpret_cast<int*>(wv + static_cast<int64_t>(n_rows) * splits);
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  launch(argmax_split_kernel, dim3(static_cast<unsigned>(splits), static_cast<unsigned>(n_rows)), kArgmaxThreads, 0, s, X,
-         ldx, n, split, wv, wi);
+  const dim3 grid(static_cast<unsigned>(splits), static_cast<unsigned>(n_rows));
+  launch(argmax_split_kernel, grid, kArgmaxThreads, 0, s, X, ldx, n, split, wv, wi);
   DS4_GPU_CHECK_LAUNCH("argmax_split_kernel");
   launch(argmax_final_kernel, n_rows, DS4_WARP, 0, s, wv, wi, static_cast<int>(splits), out);
   DS4_GPU_CHECK_LAUNCH("argmax_final_kernel");
