@@ -171,7 +171,7 @@ void argmax_rows(const float* X, int n_rows, int64_t n, int32_t* out);
 // The step kernels' row round trips (rowops.cuh) on each of n_rows rows of n values, in place:
 // kind 0 FP8 (blocks of 64), 1 FP4 (blocks of 32), 2 Hadamard (n a power of two), 3 f16.
 void qat_rows(int kind, float* X, int n_rows, int n);
-// The biased top-k router (lane_ops.cu route, not hash-routed) on host arrays: logits [n][n_expert],
+// The biased top-k router (step_ops.h route, not hash-routed) on host arrays: logits [n][n_expert],
 // bias [n_expert]; ids and weights [n][k] out.
 void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
            float* weights);

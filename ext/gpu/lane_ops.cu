@@ -477,32 +477,6 @@ void qat_rows(int kind, float* X, int n_rows, int n) {
   check(err, "qat_rows");
 }
 
-void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
-           float* weights) {
-  if (n <= 0) return;
-  const size_t nl = static_cast<size_t>(n) * n_expert, ns = static_cast<size_t>(n) * k;
-  float *d_lg = nullptr, *d_b = nullptr, *d_w = nullptr;
-  int32_t* d_id = nullptr;
-  DS4_GPU_CHECK(cudaMalloc(&d_lg, nl * sizeof(float)));
-  cudaError_t err = cudaMalloc(&d_b, static_cast<size_t>(n_expert) * sizeof(float));
-  if (err == cudaSuccess) err = cudaMalloc(&d_w, ns * sizeof(float));
-  if (err == cudaSuccess) err = cudaMalloc(&d_id, ns * sizeof(int32_t));
-  if (err == cudaSuccess) err = cudaMemcpy(d_lg, logits, nl * sizeof(float), cudaMemcpyHostToDevice);
-  if (err == cudaSuccess)
-    err = cudaMemcpy(d_b, bias, static_cast<size_t>(n_expert) * sizeof(float), cudaMemcpyHostToDevice);
-  try {
-    if (err == cudaSuccess)
-      ds4::gpu::route(d_lg, n, n_expert, k, false, nullptr, nullptr, d_b, norm, scale, d_id, d_w, nullptr);
-  } catch (...) {
-    (void)cudaFree(d_lg), (void)cudaFree(d_b), (void)cudaFree(d_w), (void)cudaFree(d_id);
-    throw;
-  }
-  if (err == cudaSuccess) err = cudaMemcpy(ids, d_id, ns * sizeof(int32_t), cudaMemcpyDeviceToHost);
-  if (err == cudaSuccess) err = cudaMemcpy(weights, d_w, ns * sizeof(float), cudaMemcpyDeviceToHost);
-  (void)cudaFree(d_lg), (void)cudaFree(d_b), (void)cudaFree(d_w), (void)cudaFree(d_id);
-  check(err, "route");
-}
-
 }  // namespace testing
 
 void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {

@@ -186,25 +186,6 @@ template <int T>
 constexpr bool kTall2Type = T == kQ8_0;
 constexpr int kTall2MaxCols = 4;
 std::atomic<int> g_tall_stages{-1};  // -1: not read from the environment yet
-std::atomic<int64_t> g_tall_min_k{-1};  // -1: not read from the environment yet
-
-// The tall variant's least row width: 2048 by default (pass 16's timeline of a C=1 step: q_b's 1024
-// elements a row on the tall kernel, one chunk a row block and two row blocks a block, the second
-// copied only once the first is done, finished 4-5 us later a layer than on the direct kernel's
-// double-buffered stream; the LM head's 4096 stay tall).
-int64_t tall_min_k_now() {
-  int64_t v = g_tall_min_k.load(std::memory_order_relaxed);
-  if (v < 0) {
-    v = 2048;
-    if (const char* e = std::getenv("DS4_GPU_MV_TALL_MIN_K"); e != nullptr && *e != 0) {
-      char* end = nullptr;
-      const long long k = std::strtoll(e, &end, 10);
-      if (end != nullptr && *end == 0 && k >= 0) v = k;
-    }
-    g_tall_min_k.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
 
 int tall_stages_now() {
   int v = g_tall_stages.load(std::memory_order_relaxed);
@@ -523,6 +504,21 @@ int env_int(const char* name, int lo, int hi, int fallback) {
   char* end = nullptr;
   const long v = std::strtol(e, &end, 10);
   return (end != nullptr && *end == 0 && v >= lo && v <= hi) ? static_cast<int>(v) : fallback;
+}
+
+std::atomic<int> g_tall_min_k{-1};  // -1: not read from the environment yet
+
+// The tall variant's least row width: 2048 by default (pass 16's timeline of a C=1 step: q_b's 1024
+// elements a row on the tall kernel, one chunk a row block and two row blocks a block, the second
+// copied only once the first is done, finished 4-5 us later a layer than on the direct kernel's
+// double-buffered stream; the LM head's 4096 stay tall).
+int tall_min_k_now() {
+  int v = g_tall_min_k.load(std::memory_order_relaxed);
+  if (v < 0) {
+    v = env_int("DS4_GPU_MV_TALL_MIN_K", 0, 1 << 30, 2048);
+    g_tall_min_k.store(v, std::memory_order_relaxed);
+  }
+  return v;
 }
 
 int grouped_variant_now() {
@@ -1008,7 +1004,9 @@ void set_matvec_persistent(bool on) { g_persistent.store(on ? 1 : 0, std::memory
 
 bool tall_takes(int64_t rows, int64_t k) { return rows >= kTallRows && k >= tall_min_k_now(); }
 
-void set_matvec_tall_min_k(int64_t k) { g_tall_min_k.store(k >= 0 ? k : -1, std::memory_order_relaxed); }
+void set_matvec_tall_min_k(int64_t k) {
+  g_tall_min_k.store(k >= 0 ? static_cast<int>(std::min<int64_t>(k, 1 << 30)) : -1, std::memory_order_relaxed);
+}
 
 int64_t matvec_tall_min_k() { return tall_min_k_now(); }
 

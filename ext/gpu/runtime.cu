@@ -11,6 +11,7 @@
 #include "ds4_gpu.h"
 #include "common.cuh"
 #include "matvec.cuh"
+#include "step_ops.h"
 
 // Devices this backend sees; 0 without a driver or a device (never throws). The binding's
 // gpu_available() (ext/python/_native.pyx) declares and calls this one global function.
@@ -243,6 +244,19 @@ void argmax_rows(const float* X, int n_rows, int64_t n, int32_t* out) {
   ds4::gpu::argmax_rows(x.as<float>(), n, n_rows, n, o.as<int32_t>(), w.as<float>(), nullptr);
   sync();
   o.download(out);
+}
+
+void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
+           float* weights) {
+  if (n <= 0) return;
+  const size_t picks = static_cast<size_t>(n) * k;
+  Buffer lg(logits, static_cast<size_t>(n) * n_expert * sizeof(float)), b(bias, n_expert * sizeof(float));
+  Buffer id(picks * sizeof(int32_t)), w(picks * sizeof(float));
+  ds4::gpu::route(lg.as<float>(), n, n_expert, k, false, nullptr, nullptr, b.as<float>(), norm, scale, id.as<int32_t>(),
+                  w.as<float>(), nullptr);
+  sync();
+  id.download(ids);
+  w.download(weights);
 }
 
 }  // namespace testing
