@@ -187,6 +187,7 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
     shared = cfg.n_expert_shared == 1
     return [
         ("x_hc", 4 * R * hc * d),
+        ("x_hc_next", 4 * R * hc * d),  # the one-launch mHC sites' post writes the streams apart
         ("hc_mix", 4 * R * (2 + hc) * hc),
         ("hc_post", 4 * R * hc),
         ("hc_comb", 4 * R * hc * hc),
@@ -236,6 +237,9 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         # SwiGLU's or head_in's (GivenPlanes, ext/gpu/matvec_fused.h)
         ("planes_u", R * (d // 32) * 112),
         ("planes_b", R * (max(d, cfg.q_lora_rank, F) // 32) * 112),
+        # the fused mHC sites' block sums (ext/gpu/step_ops.h hc_site): per row and block (256
+        # elements of one of the 4 streams) a double and (2 + 4) 4 floats
+        ("hc_site", R * 4 * -(-d // 256) * (8 + 4 * 24)),
     ]
 
 

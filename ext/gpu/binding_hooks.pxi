@@ -39,6 +39,10 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
                                                           int32_t* out) except +
     void gpu_route "ds4::gpu::testing::route"(const float* logits, int n, int n_expert, int k, const float* bias,
                                               cbool norm, float scale, int32_t* ids, float* weights) except +
+    void gpu_hc_site "ds4::gpu::testing::hc_site"(float* X, int n, int64_t d, const float* Y, float* post, float* comb,
+                                                  const TensorView& fn, const float* scale, const float* base,
+                                                  int iters, float hc_eps, float norm_eps, const float* norm_w,
+                                                  float* U) except +
 
 
 cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
@@ -451,6 +455,48 @@ def _t_gpu_route(logits, bias, int k, norm=True, float scale=1.0):
     return ids, w
 
 
+def _t_gpu_hc_site(X, Y, post, comb, int fn_type, fn_raw, scale, base, int iters, float hc_eps, float norm_eps,
+                   norm_w=None):
+    """One mHC site in one launch (ext/gpu/step_ops.h hc_site): X [n, 4, d]; Y [n, d] or None (no
+    post before the site; then post and comb are not read); post [n, 4], comb [n, 4, 4] of the
+    previous site; fn_raw the [24, 4 d] projection's bytes of ggml type fn_type; returns (X after
+    the post, U, post, comb) of this site, U normed by norm_w when given."""
+    x = np.array(X, dtype=np.float32, order="C", copy=True)
+    if x.ndim != 3 or x.shape[1] != 4 or x.shape[0] == 0:
+        raise ValueError("X must be [n, 4, d] with n > 0")
+    cdef int n = x.shape[0]
+    cdef int64_t d = x.shape[2]
+    keep = []
+    cdef TensorView W = _weights_view(fn_type, fn_raw, 4 * d, 24, 1, keep)
+    po = np.array(post, dtype=np.float32, order="C", copy=True).reshape(n, 4)
+    co = np.array(comb, dtype=np.float32, order="C", copy=True).reshape(n, 4, 4)
+    sc = np.ascontiguousarray(scale, dtype=np.float32).reshape(3)
+    ba = np.ascontiguousarray(base, dtype=np.float32).reshape(24)
+    y = None if Y is None else np.ascontiguousarray(Y, dtype=np.float32).reshape(n, d)
+    nw = None if norm_w is None else np.ascontiguousarray(norm_w, dtype=np.float32).reshape(d)
+    u = np.zeros((n, d), dtype=np.float32)
+    cdef float[:, :, ::1] xv = x
+    cdef float[:, ::1] pv = po
+    cdef float[:, :, ::1] cv = co
+    cdef const float[::1] scv = sc
+    cdef const float[::1] bav = ba
+    cdef float[:, ::1] uv = u
+    cdef const float[:, ::1] yv
+    cdef const float[::1] nwv
+    cdef const float* yp = NULL
+    cdef const float* nwp = NULL
+    if y is not None:
+        yv = y
+        yp = &yv[0, 0]
+    if nw is not None:
+        nwv = nw
+        nwp = &nwv[0]
+    with nogil:
+        gpu_hc_site(&xv[0, 0, 0], n, d, yp, &pv[0, 0], &cv[0, 0, 0], W, &scv[0], &bav[0], iters, hc_eps, norm_eps,
+                    nwp, &uv[0, 0])
+    return x, u, po, co
+
+
 def _t_gpu_argmax(X):
     """Index of each row's maximum (first on ties, NaN largest) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -499,4 +545,5 @@ _GPU_TESTING = dict(
     gpu_attention_sink=_t_gpu_attention_sink,
     gpu_argmax=_t_gpu_argmax,
     gpu_route=_t_gpu_route,
+    gpu_hc_site=_t_gpu_hc_site,
 )

@@ -175,6 +175,12 @@ void qat_rows(int kind, float* X, int n_rows, int n);
 // bias [n_expert]; ids and weights [n][k] out.
 void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
            float* weights);
+// One mHC site in one launch (step_ops.h hc_site; 4 streams) on host arrays: X [n][4][d] and post
+// [n][4], comb [n][4][4] in place; Y [n][d] the post's y (null: no post); fn the [24][4 d]
+// projection (F16, BF16 or F32); scale [3], base [24]; norm_w [d] or null; U [n][d] out.
+void hc_site(float* X, int n, int64_t d, const float* Y, float* post, float* comb, const TensorView& fn,
+             const float* scale, const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w,
+             float* U);
 }  // namespace testing
 
 #else  // no GPU backend in this build
@@ -210,6 +216,10 @@ inline void attention_sink(const float*, const uint16_t*, int64_t, const int32_t
 inline void argmax_rows(const float*, int, int64_t, int32_t*) { no_backend(); }
 inline void qat_rows(int, float*, int, int) { no_backend(); }
 inline void route(const float*, int, int, int, const float*, bool, float, int32_t*, float*) { no_backend(); }
+inline void hc_site(float*, int, int64_t, const float*, float*, float*, const TensorView&, const float*, const float*,
+                    int, float, float, const float*, float*) {
+  no_backend();
+}
 }  // namespace testing
 
 #endif

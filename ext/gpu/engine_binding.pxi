@@ -36,6 +36,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool l2_prefetch()
         void set_branches(cbool on) except +
         cbool branches()
+        void set_hc_fused(cbool on) except +
+        cbool hc_fused()
         vector[int64_t] l2_prefetch_log() except +
         uint64_t l2_prefetch_window_bytes()
 
@@ -225,6 +227,17 @@ cdef class GpuEngine:
     @use_branches.setter
     def use_branches(self, on):
         self._get().set_branches(bool(on))
+
+    @property
+    def use_hc_fused(self):
+        """Whether each mHC site (the post before it, its projection, its pre) runs as one kernel
+        (default on, DS4_GPU_HC_FUSED=0 off). Changes bits: the projection and rho add in another
+        fixed order; each setting is exact and batch invariant on its own."""
+        return bool(self._get().hc_fused())
+
+    @use_hc_fused.setter
+    def use_hc_fused(self, on):
+        self._get().set_hc_fused(bool(on))
 
     @property
     def l2_prefetch_window_bytes(self):

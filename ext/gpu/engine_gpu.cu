@@ -168,6 +168,20 @@ struct GpuEngine::Impl {
   bool branches = false;     // the switch
   bool branching = false;    // this step's launches branch: the switch, with no product using scratch
   bool side_pending = false;  // side work not yet joined
+  // The mHC sites in one launch each (set_hc_fused): a sublayer's mHC post waits in `post_due` for
+  // the next site (hc_pre_site), which takes it into its hc_site launch or runs it first.
+  bool hc_fused = false;
+  struct PostDue {
+    bool due = false;
+    const float* Y = nullptr;  // after the attention
+    const float *D = nullptr, *w = nullptr, *SH = nullptr;  // after the FFN: the MoE sum
+    int k = 0;
+  } post_due;
+  bool comb_due = false;  // the last site's comb awaits its Sinkhorn (run_comb_due)
+  uint8_t* hc_scratch = nullptr;  // hc_site's block sums
+  // hc_site's post writes the streams apart from its input: x_hc and x_hc_next swap after each one
+  // (launch_step starts every step on x_hc_base).
+  float *x_hc_base = nullptr, *x_hc_next = nullptr;
   cudaStream_t side = nullptr;
   cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
 
@@ -218,8 +232,8 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
-  // least row width).
-  using GraphKey = std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t>;
+  // least row width; the one-launch mHC sites).
+  using GraphKey = std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -326,6 +340,10 @@ struct GpuEngine::Impl {
   void prefetch_attn_prologue(int l);
   CompressorLaunch compressor_launch(int l, bool indexer);
   void hc_pre_site(const HcWeights& w, const float* norm);
+  HcSite site_launch(const HcWeights& w, const float* norm, float* U, uint8_t* planes) const;
+  void post_site(const float* Y, const float* D, const float* w, const float* SH, int k);
+  void run_post_due();
+  void run_comb_due();
   void attention_layer(int l);
   void ffn_layer(int l);
   void head();
@@ -366,6 +384,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
   branches = env_flag("DS4_GPU_BRANCHES", true);
+  hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
     char* end = nullptr;
@@ -520,6 +539,7 @@ void GpuEngine::Impl::carve_scratch() {
   };
   const Part parts_list[] = {
       {reinterpret_cast<void**>(&x_hc), 4 * R * hc * d},
+      {reinterpret_cast<void**>(&x_hc_next), 4 * R * hc * d},
       {reinterpret_cast<void**>(&mix_buf), 4 * R * mix},
       {reinterpret_cast<void**>(&post_buf), 4 * R * hc},
       {reinterpret_cast<void**>(&comb_buf), 4 * R * hc * hc},
@@ -563,6 +583,7 @@ void GpuEngine::Impl::carve_scratch() {
       {reinterpret_cast<void**>(&x_planes), x_planes_bytes},
       {reinterpret_cast<void**>(&planes_u), planes_u_bytes},
       {reinterpret_cast<void**>(&planes_b), planes_b_bytes},
+      {reinterpret_cast<void**>(&hc_scratch), static_cast<int64_t>(hc_site_scratch_bytes(static_cast<int>(R), d))},
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
@@ -735,12 +756,82 @@ CompressorLaunch GpuEngine::Impl::compressor_launch(int l, bool indexer) {
 }
 
 // mHC pre, then the site's RMSNorm (attn_norm / ffn_norm) fused into the same kernel: u = norm(sum pre_j X_j).
+// With the one-launch sites (hc_fused) the sublayer's post due here runs in the same kernel.
 void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
-  mv(w.fn, x_hc, n, hcd, mix_buf, mix);
-  hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps, norm,
-         u, post_buf, comb_buf, stream, planes_out(planes_u), planes_ld(d));
+  if (hc_fused && hc_site_takes(cfg.hc_mult, d, static_cast<int>(w.fn.type))) {
+    run_comb_due();  // the post reads the previous site's comb (normally run on its side branch)
+    hc_site(site_launch(w, norm, u, planes_out(planes_u)), stream);
+    if (post_due.due) std::swap(x_hc, x_hc_next);
+    comb_due = true;  // its Sinkhorn: at the end of the site's side branch (run_comb_due)
+    post_due = PostDue{};
+  } else {
+    run_comb_due();
+    run_post_due();
+    mv(w.fn, x_hc, n, hcd, mix_buf, mix);
+    hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps,
+           norm, u, post_buf, comb_buf, stream, planes_out(planes_u), planes_ld(d));
+  }
   give_planes(0, u, d, n, planes_u);  // until the site's last product of u
+}
+
+// One site's hc_site launch: the post due, the site's weights, U (the site's RMSNorm norm) and its
+// planes; all n lanes.
+HcSite GpuEngine::Impl::site_launch(const HcWeights& w, const float* norm, float* U, uint8_t* planes) const {
+  HcSite s;
+  s.X = x_hc;
+  s.X_out = x_hc_next;
+  s.n = n;
+  s.hc = cfg.hc_mult;
+  s.d = cfg.n_embd;
+  s.has_post = post_due.due;
+  s.Y = post_due.Y;
+  s.D = post_due.D;
+  s.w = post_due.w;
+  s.SH = post_due.SH;
+  s.k = post_due.k;
+  s.post = post_buf;
+  s.comb = comb_buf;
+  s.fn = w.fn.data;
+  s.fn_type = static_cast<int>(w.fn.type);
+  s.fn_row_bytes = w.fn.row_bytes();
+  s.scale = w.scale;
+  s.base = w.base;
+  s.hc_eps = cfg.hc_eps;
+  s.norm_eps = cfg.norm_eps;
+  s.norm_w = norm;
+  s.U = U;
+  s.planes = planes;
+  s.ldp = planes_ld(cfg.n_embd);
+  s.scratch = hc_scratch;
+  s.scratch_rows = opts.max_rows;
+  return s;
+}
+
+// The mHC post of the sublayer that just ended (y = Y's rows, or the MoE sum of D, w and SH), due
+// at the next site; run_post_due runs it on its own where that site does not take it.
+void GpuEngine::Impl::post_site(const float* Y, const float* D, const float* w, const float* SH, int k) {
+  run_post_due();  // never two due at once
+  post_due = PostDue{true, Y, D, w, SH, k};
+}
+
+// The Sinkhorn of the last one-launch site's comb (hc_comb), due before the next post reads it: the
+// layer's side branch runs it after its own work (so the shared expert starts at the fork).
+void GpuEngine::Impl::run_comb_due() {
+  if (!comb_due) return;
+  comb_due = false;
+  hc_comb(comb_buf, n, cfg.hc_sinkhorn_iters, cfg.hc_eps, stream);
+}
+
+void GpuEngine::Impl::run_post_due() {
+  run_comb_due();
+  if (!post_due.due) return;
+  const PostDue p = post_due;
+  post_due = PostDue{};
+  if (p.D != nullptr)
+    hc_post_moe(x_hc, n, cfg.hc_mult, cfg.n_embd, p.D, p.w, p.SH, p.k, post_buf, comb_buf, stream);
+  else
+    hc_post(x_hc, n, cfg.hc_mult, cfg.n_embd, p.Y, post_buf, comb_buf, stream);
 }
 
 void GpuEngine::Impl::attention_layer(int l) {
@@ -786,6 +877,7 @@ void GpuEngine::Impl::attention_layer(int l) {
       add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
       compressor_update(compressor_launch(l, true), lanes, n_groups, stream);
     }
+    run_comb_due();
   });
   rms_norm(q_lat, ql, L.q_norm, q_lat, ql, n, ql, eps, stream, planes_out(planes_b), planes_ld(ql));
   give_planes(1, q_lat, ql, n, planes_b);
@@ -872,7 +964,7 @@ void GpuEngine::Impl::attention_layer(int l) {
   // The FFN prologue (mHC post and pre, router, routing, parts) is latency-bound; its two small
   // products and then the shared expert follow it.
   prefetch_window(kPrefetchFfnPrologue, l, {&L.hc_ffn.fn, &L.gate_inp, &L.gate_sh, &L.up_sh, &L.down_sh});
-  hc_post(x_hc, n, cfg.hc_mult, d, y, post_buf, comb_buf, stream);
+  post_site(y, nullptr, nullptr, nullptr, 0);  // run by the FFN's mHC site
 }
 
 void GpuEngine::Impl::ffn_layer(int l) {
@@ -892,7 +984,10 @@ void GpuEngine::Impl::ffn_layer(int l) {
       give_planes(1, sh_gate, F, n, planes_b);
       mv(L.down_sh, sh_gate, n, F, sh_down, d);
       drop_planes(1);
+      run_comb_due();
     });
+  } else {
+    on_side([&] { run_comb_due(); });
   }
   mv(L.gate_inp, u, n, d, router, E);
   route(router, n, E, K, l < cfg.n_hash_layers, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
@@ -926,16 +1021,32 @@ void GpuEngine::Impl::ffn_layer(int l) {
     prefetch_window(kPrefetchHead, cfg.n_layer, {&dw.hc_head.fn, &dw.output});
   }
   join_side();  // the MoE combine (in hc_post_moe) reads the shared expert's output
-  hc_post_moe(x_hc, n, cfg.hc_mult, d, ex_down, sel_w, shared ? sh_down : nullptr, K, post_buf, comb_buf, stream);
+  post_site(nullptr, ex_down, sel_w, shared ? sh_down : nullptr, K);  // run by the next site, or the head
 }
 
 void GpuEngine::Impl::head() {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   const int n_out = static_cast<int>(logit_lanes.size());
+  if (hc_fused && hc_site_takes(cfg.hc_mult, d, static_cast<int>(dw.hc_head.fn.type))) {
+    // The last layer's post and the head's site for the logit lanes only (no later kernel reads
+    // the other lanes' streams).
+    run_comb_due();
+    if (n_out > 0) {
+      HcSite s = site_launch(dw.hc_head, dw.output_norm, head_in, planes_out(planes_b));
+      s.head = true;
+      s.lanes = logit_lanes_dev;
+      s.n = n_out;
+      hc_site(s, stream);
+    }
+    post_due = PostDue{};
+  } else {
+    run_post_due();  // the last layer's
+    if (n_out == 0) return;
+    mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
+    hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base,
+            cfg.hc_eps, cfg.norm_eps, dw.output_norm, head_in, stream, planes_out(planes_b), planes_ld(d));
+  }
   if (n_out == 0) return;
-  mv(dw.hc_head.fn, x_hc, n, hcd, mix_buf, mix);
-  hc_head(x_hc, logit_lanes_dev, n_out, cfg.hc_mult, d, mix_buf, mix, dw.hc_head.scale, dw.hc_head.base, cfg.hc_eps,
-          cfg.norm_eps, dw.output_norm, head_in, stream, planes_out(planes_b), planes_ld(d));  // output_norm fused
   give_planes(1, head_in, d, n_out, planes_b);
   mv(dw.output, head_in, n_out, d, logits, cfg.n_vocab);
   drop_planes(1);
@@ -949,6 +1060,11 @@ void GpuEngine::Impl::launch_step() {
   branching = branches && fused_planes && !matvec_mma();
   drop_planes(0);
   drop_planes(1);
+  post_due = PostDue{};
+  comb_due = false;
+  if (x_hc_base == nullptr) x_hc_base = x_hc;
+  x_hc_next = x_hc == x_hc_base ? x_hc_next : x_hc;
+  x_hc = x_hc_base;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
   embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
@@ -966,7 +1082,8 @@ void GpuEngine::Impl::run_graph() {
   constexpr size_t kMaxGraphs = 256;  // prompts make many buckets; forget all past this many
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
-                     matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k()};
+                     matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
+                     hc_fused};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1089,6 +1206,8 @@ void GpuEngine::set_l2_prefetch(bool on) { impl_->prefetch = on && l2_prefetch_s
 bool GpuEngine::l2_prefetch() const { return impl_->prefetch; }
 void GpuEngine::set_branches(bool on) { impl_->branches = on; }
 bool GpuEngine::branches() const { return impl_->branches; }
+void GpuEngine::set_hc_fused(bool on) { impl_->hc_fused = on; }
+bool GpuEngine::hc_fused() const { return impl_->hc_fused; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }
 uint64_t GpuEngine::l2_prefetch_window_bytes() const { return impl_->prefetch_cap; }
 

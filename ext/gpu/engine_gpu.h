@@ -107,6 +107,13 @@ class GpuEngine {
   // scratch). Default: on; DS4_GPU_BRANCHES=0 turns it off. Part of the graph key.
   void set_branches(bool on);
   bool branches() const;
+  // The mHC sites in one launch each (pass 17, step_ops.h hc_site): the post of the sublayer that
+  // ends at a site, the site's projection and its mHC pre in one kernel instead of three. Changes
+  // bits (the projection and rho add in another fixed order; each setting exact and batch
+  // invariant, within fp32 rounding of the other). Default: on; DS4_GPU_HC_FUSED=0 turns it off.
+  // Part of the graph key.
+  void set_hc_fused(bool on);
+  bool hc_fused() const;
   // What the last step that launched its kernels (eager, or a graph capture) asked L2 for: four
   // numbers a range, (window, layer, file offset, bytes); windows 0 = the attention prologue of
   // `layer` (its mHC weights, the u products, q_b), 1 = its attention (wo_a, wo_b), 2 = its FFN
@@ -153,6 +160,8 @@ class GpuEngine {
   bool l2_prefetch() const { return false; }
   void set_branches(bool) { throw std::runtime_error("no GPU backend"); }
   bool branches() const { return false; }
+  void set_hc_fused(bool) { throw std::runtime_error("no GPU backend"); }
+  bool hc_fused() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }
   uint64_t l2_prefetch_window_bytes() const { return 0; }
 };

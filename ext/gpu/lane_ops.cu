@@ -220,7 +220,33 @@ __device__ __forceinline__ float moe_value(const MoeSum& m, int64_t d, int i, in
   return m.SH ? acc + m.SH[static_cast<int64_t>(i) * d + x] : acc;
 }
 
+// Element e of the mHC post on a lane's streams x (in place): x[k][e] = post_k y + sum_j
+// comb[j][k] x[j][e], j in order; hc_post_one is stream k's (hc_post_kernel and hc_site_kernel: the
+// same bits).
 // HC > 0: hc_mult known at compile time (the streams stay in registers); 0: hc is a run-time value.
+template <int HC>
+__device__ __forceinline__ float hc_post_one(const float (&old)[HC > 0 ? HC : kMaxHcDev], int hc, int k, float ye,
+                                             const float* post_s, const float* c_s) {
+  float acc = post_s[k] * ye;
+#pragma unroll
+  for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
+    if (j < hc) acc += c_s[j * hc + k] * old[j];
+  return acc;
+}
+
+template <int HC>
+__device__ __forceinline__ void hc_post_element(float* x, int hc_rt, int64_t d, int64_t e, float ye,
+                                                const float* post_s, const float* c_s) {
+  const int hc = HC > 0 ? HC : hc_rt;
+  float old[HC > 0 ? HC : kMaxHcDev];
+#pragma unroll
+  for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
+    if (j < hc) old[j] = x[j * d + e];
+#pragma unroll
+  for (int k = 0; k < (HC > 0 ? HC : kMaxHcDev); ++k)
+    if (k < hc) x[k * d + e] = hc_post_one<HC>(old, hc, k, ye, post_s, c_s);
+}
+
 // moe.D given: y is moe_value (after the FFN), else Y's row (after the attention).
 template <int HC>
 __global__ void __launch_bounds__(kRowThreads)
@@ -238,20 +264,260 @@ __global__ void __launch_bounds__(kRowThreads)
   if (e >= d) return;
   float* x = X + static_cast<int64_t>(i) * hc * d;
   const float ye = moe.D != nullptr ? moe_value(moe, d, i, e) : Y[static_cast<int64_t>(i) * d + e];
-  float old[HC > 0 ? HC : kMaxHcDev];
+  hc_post_element<HC>(x, hc, d, e, ye, post_s, c_s);
+}
+
+// A weight of the mHC projection (hc.fn: F16, BF16 or F32 rows).
+template <int WT>
+__device__ __forceinline__ float fn_weight(const uint8_t* __restrict__ row, int64_t j) {
+  if constexpr (WT == kF32) return ds4_ldg(reinterpret_cast<const float*>(row) + j);
+  const uint32_t h = ds4_ldg(reinterpret_cast<const uint16_t*>(row) + j);
+  if constexpr (WT == kF16) return half_bits_to_float(h);
+  return bf16_bits_to_float(h);
+}
+
+// One mHC site in two launches (pass 17; step_ops.h hc_site), instead of hc_post, the projection's
+// matvec and hc_mix. HC = 4 streams, 256 threads a block; row j of the call runs lane lanes[j] (or j).
+//
+// hc_site_sums_kernel, grid (nb = HC * ceil(d / 256), rows): block b takes stream k = b / (nb / HC)
+// and elements e = 256 (b % (nb / HC)) + t: x = X[i][k][e] after the post of the sublayer that ends
+// here (has_post: hc_post_one, the hc_post kernel's bits, written to Xout: the other streams' blocks
+// still read X), then the block's part of rho's sum of squares (double) and of the projection,
+// sum_e fn[r][k d + e] x for each of the MIX rows (the butterfly, then block_sum's tree), into
+// part_ss / part_mix [j][b].
+//
+// hc_site_pre_kernel, grid (ceil(d / 256), rows): every block adds the row's nb block sums in block
+// order (the same bits in every block), then does hc_mix's work for its 256 elements: pre, u =
+// sum_s pre_s X[s] over the whole row for the norm's sum of squares (each block the same, in the
+// same order), and its slice of U = (u r) w and of U's planes. Block 0 writes post and comb's logits,
+// which hc_comb takes through the Sinkhorn (a launch of its own, off the critical path).
+// HEAD: hc_head's site (MIX = HC rows; U's row j is the head's input; no post or comb out).
+// Every sum's order is fixed by d alone and a row reads only its own lane: batch invariant. The
+// projection and rho add in another order than mv + hc_pre (the hc_fused switch's bits differ).
+// Bytes: the post's (HC + 1 + MoE) d reads and HC d writes a lane, fn (MIX x HC d weights) a lane
+// (from L2 after the first), X from L2 once a pre block (16 d bytes), U and its planes out.
+struct HcSiteLaunch {
+  const int32_t* lanes;  // grid row j runs lane lanes[j] (null: lane j)
+  const float* X;  // the streams [lane][HC][d]
+  float* Xout;     // has_post: the streams after the post (same shape; not X)
+  int64_t d;
+  int nb;  // sum blocks a row
+  int has_post;
+  const float* Y;  // the post's y rows (null with moe.D given: the MoE sum)
+  MoeSum moe;
+  float* post;  // [n][HC]: the previous site's (read by the sums), then this site's (written by pre)
+  float* comb;  // [n][HC][HC], the same (pre writes the logits, hc_comb the matrix)
+  const uint8_t* W;  // the projection's MIX rows of HC d weights, row_bytes apart
+  int64_t row_bytes;
+  const float* scale;
+  const float* base;
+  float hc_eps, norm_eps;
+  const float* norm_w;  // the site's RMSNorm (null: U = u)
+  float* U;
+  uint8_t* planes;  // U's planes (null: none), a row ldp bytes
+  int64_t ldp;
+  double* part_ss;  // [rows][nb]
+  float* part_mix;  // [rows][nb][MIX]
+};
+
+template <int WT, bool HEAD>
+__global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteLaunch a, int rows, int rows_per_block) {
+  constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
+  __shared__ double red[kRowWarps];
+  __shared__ float red_mix[kRowWarps][MIX];
+  const int b = static_cast<int>(blockIdx.x), tid = static_cast<int>(threadIdx.x);
+  const int warp = tid / DS4_WARP, lane = tid % DS4_WARP;
+  const int64_t d = a.d;
+  const int slices = a.nb / HC, k = b / slices;
+  const int64_t e = static_cast<int64_t>(b - k * slices) * kRowThreads + tid;
+  // The block's weights before the grid wait (constant data), so their latency hides behind the
+  // previous kernel's tail; then applied to each of the block's rows in turn (every row the same
+  // arithmetic, whichever block and however many rows a block: the same bits).
+  float wt[MIX];
 #pragma unroll
-  for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
-    if (j < hc) old[j] = x[j * d + e];
+  for (int r = 0; r < MIX; ++r) wt[r] = e < d ? fn_weight<WT>(a.W + r * a.row_bytes, k * d + e) : 0.0f;
+  ds4_grid_begin();
+  const int row0 = static_cast<int>(blockIdx.y) * rows_per_block;
+  for (int row = row0; row < row0 + rows_per_block && row < rows; ++row) {
+    const int i = a.lanes != nullptr ? a.lanes[row] : row;
+    const float* x = a.X + static_cast<int64_t>(i) * HC * d;
+    float v = 0.0f;
+    if (e < d) {
+      if (a.has_post) {  // post and comb of the lane: the same few values for every thread (L1)
+        const float ye = a.moe.D != nullptr ? moe_value(a.moe, d, i, e) : a.Y[static_cast<int64_t>(i) * d + e];
+        float old[HC];
 #pragma unroll
-  for (int k = 0; k < (HC > 0 ? HC : kMaxHcDev); ++k) {
-    if (k < hc) {
-      float acc = post_s[k] * ye;
+        for (int j = 0; j < HC; ++j) old[j] = x[j * d + e];
+        v = hc_post_one<HC>(old, HC, k, ye, a.post + i * HC, a.comb + i * HC * HC);
+        a.Xout[static_cast<int64_t>(i) * HC * d + k * d + e] = v;
+      } else {
+        v = x[k * d + e];
+      }
+    }
+    float acc[MIX];
 #pragma unroll
-      for (int j = 0; j < (HC > 0 ? HC : kMaxHcDev); ++j)
-        if (j < hc) acc += c_s[j * hc + k] * old[j];
-      x[k * d + e] = acc;
+    for (int r = 0; r < MIX; ++r) acc[r] = warp_sum(wt[r] * v);
+    if (lane == 0) {
+#pragma unroll
+      for (int r = 0; r < MIX; ++r) red_mix[warp][r] = acc[r];
+    }
+    const double ss = block_sum(static_cast<double>(v) * v, red);  // its barrier also publishes red_mix
+    const int64_t part = static_cast<int64_t>(row) * a.nb + b;
+    if (tid == 0) a.part_ss[part] = ss;
+    if (tid < MIX) {
+      const float* m = &red_mix[0][tid];
+      a.part_mix[part * MIX + tid] = ((m[0] + m[MIX]) + (m[2 * MIX] + m[3 * MIX])) +
+                                     ((m[4 * MIX] + m[5 * MIX]) + (m[6 * MIX] + m[7 * MIX]));
+    }
+    __syncthreads();  // every thread is done with red_mix before the next row rewrites it
+  }
+}
+
+// X's float4s a pre thread loads beside the block sums (d <= 4096 in one go; more in a loop after).
+constexpr int kHcPreHeld = 4;
+
+template <bool HEAD>
+__global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLaunch a, bool whole_row) {
+  constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
+  // First the row's block sums (nb doubles, then nb x MIX floats), then u ([d / 4]).
+  extern __shared__ float4 site_u[];
+  __shared__ double red[kRowWarps];
+  __shared__ float mix_s[MIX];
+  __shared__ double ss_s;
+  const int row = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
+  const int64_t d = a.d, q4 = d / 4;
+  // This block's 256 elements (64 float4s; whole_row: the row's): their norm weights before the grid
+  // wait (constant).
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 4);
+  const bool mine = tid < kRowThreads / 4 && q0 + tid < q4;
+  const float4 nw = a.norm_w && mine && !whole_row ? ds4_ldg(reinterpret_cast<const float4*>(a.norm_w) + q0 + tid)
+                                                   : make_float4(1.f, 1.f, 1.f, 1.f);
+  ds4_grid_begin();
+  const int i = a.lanes != nullptr ? a.lanes[row] : row;
+  const float4* x4 = reinterpret_cast<const float4*>((a.has_post ? a.Xout : a.X) + static_cast<int64_t>(i) * HC * d);
+  float4 held[kHcPreHeld][HC];  // X's first float4s of the thread, loaded beside the block sums
+#pragma unroll
+  for (int c = 0; c < kHcPreHeld; ++c) {
+    const int64_t q = tid + static_cast<int64_t>(c) * kRowThreads;
+#pragma unroll
+    for (int s = 0; s < HC; ++s) held[c][s] = q < q4 ? x4[s * q4 + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The block sums into shared memory at once (their loads all in flight), then added in block order.
+  const int64_t p0 = static_cast<int64_t>(row) * a.nb;
+  double* parts_ss = reinterpret_cast<double*>(site_u);
+  float* parts_s = reinterpret_cast<float*>(parts_ss + a.nb);
+  for (int j = tid; j < a.nb * MIX; j += kRowThreads) parts_s[j] = a.part_mix[p0 * MIX + j];
+  for (int j = tid; j < a.nb; j += kRowThreads) parts_ss[j] = a.part_ss[p0 + j];
+  __syncthreads();
+  if (tid < MIX) {
+    float m = parts_s[tid];
+#pragma unroll 8
+    for (int j = 1; j < a.nb; ++j) m += parts_s[j * MIX + tid];
+    mix_s[tid] = m;
+  } else if (tid == MIX) {
+    double t = parts_ss[0];
+#pragma unroll 8
+    for (int j = 1; j < a.nb; ++j) t += parts_ss[j];
+    ss_s = t;
+  }
+  __syncthreads();
+  const float rho = static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.norm_eps)));
+  if constexpr (!HEAD) {  // post, and comb's logits (hc_mix_kernel's part 1 before its Sinkhorn)
+    if (blockIdx.x == 0) {
+      if (tid < HC) a.post[i * HC + tid] = 2.0f * sigmoid_dev(a.scale[1] * (rho * mix_s[HC + tid]) + a.base[HC + tid]);
+      else if (tid >= DS4_WARP && tid < DS4_WARP + HC * HC)
+        a.comb[i * HC * HC + tid - DS4_WARP] =
+            a.scale[2] * (rho * mix_s[2 * HC + tid - DS4_WARP]) + a.base[2 * HC + tid - DS4_WARP];
     }
   }
+  float pre[HC];  // (the barrier above ends the block sums' use of site_u)
+#pragma unroll
+  for (int s = 0; s < HC; ++s) pre[s] = sigmoid_dev(a.scale[0] * (rho * mix_s[s]) + a.base[s]) + a.hc_eps;
+  // u = sum_s pre_s X[s] (s in order, as hc_mix_kernel) over the whole row, four elements a thread
+  // at a time; its sum of squares in the same order in every block.
+  double uss = 0.0;
+  auto add = [&](int64_t q, const float4 (&xv)[HC]) {
+    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int s = 0; s < HC; ++s) {
+      t.x += pre[s] * xv[s].x;
+      t.y += pre[s] * xv[s].y;
+      t.z += pre[s] * xv[s].z;
+      t.w += pre[s] * xv[s].w;
+    }
+    site_u[q] = t;
+    uss += static_cast<double>(t.x) * t.x;
+    uss += static_cast<double>(t.y) * t.y;
+    uss += static_cast<double>(t.z) * t.z;
+    uss += static_cast<double>(t.w) * t.w;
+  };
+#pragma unroll
+  for (int c = 0; c < kHcPreHeld; ++c)
+    if (tid + static_cast<int64_t>(c) * kRowThreads < q4) add(tid + static_cast<int64_t>(c) * kRowThreads, held[c]);
+  for (int64_t q = tid + static_cast<int64_t>(kHcPreHeld) * kRowThreads; q < q4; q += kRowThreads) {
+    float4 xv[HC];
+#pragma unroll
+    for (int s = 0; s < HC; ++s) xv[s] = x4[s * q4 + q];
+    add(q, xv);
+  }
+  float r = 1.0f;
+  if (a.norm_w) {
+    const double ut = block_sum(uss, red);  // its barrier also publishes site_u
+    r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(a.norm_eps)));
+  } else {
+    __syncthreads();
+  }
+  // This block's 256 elements (64 float4s, 8 units): U, and its planes from the shared copy. A
+  // whole-row block (prompt steps: one block a row reads X once) does every element's same
+  // arithmetic, and its planes are the same records.
+  float4* u4 = reinterpret_cast<float4*>(a.U + static_cast<int64_t>(row) * d);
+  if (whole_row) {
+    const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
+    for (int64_t q = tid; q < q4; q += kRowThreads) {
+      const float4 t = site_u[q];
+      float4 o = t;
+      if (a.norm_w) {
+        const float4 w = ds4_ldg(w4 + q);
+        o = make_float4((t.x * r) * w.x, (t.y * r) * w.y, (t.z * r) * w.z, (t.w * r) * w.w);
+      }
+      u4[q] = o;
+      site_u[q] = o;
+    }
+    if (a.planes != nullptr) {
+      __syncthreads();
+      unit_planes_of_row(reinterpret_cast<const float*>(site_u), d, a.planes + static_cast<int64_t>(row) * a.ldp);
+    }
+    return;
+  }
+  const int64_t q = q0 + tid;
+  if (mine) {
+    const float4 t = site_u[q];
+    const float4 o = a.norm_w ? make_float4((t.x * r) * nw.x, (t.y * r) * nw.y, (t.z * r) * nw.z, (t.w * r) * nw.w) : t;
+    u4[q] = o;
+    site_u[q] = o;
+  }
+  if (a.planes != nullptr) {  // unit_planes_of_row's records for the block's units (d % 32 == 0)
+    __syncthreads();
+    constexpr int kUnits = kRowThreads / 32;
+    const int64_t left = (d - 4 * q0) / 32;
+    if (tid < kUnits * kPlaneThreads) {  // whole warps (the records' shuffles)
+      const bool live = tid / kPlaneThreads < left;
+      const float4 v = live ? site_u[q0 + tid] : make_float4(0.f, 0.f, 0.f, 0.f);
+      unit_planes_part(v, tid % kPlaneThreads, live,
+                       a.planes + static_cast<int64_t>(row) * a.ldp + kPlaneBytes * (q0 / 8 + tid / kPlaneThreads));
+    }
+  }
+}
+
+// comb = Sinkhorn(comb's logits) in place, a warp a lane (hc_site's comb; hc_mix_kernel's part 1).
+template <int HC>
+__global__ void __launch_bounds__(DS4_WARP) hc_comb_kernel(float* __restrict__ comb, int iters, float hc_eps) {
+  ds4_grid_begin();
+  const int i = static_cast<int>(blockIdx.x), lane = static_cast<int>(threadIdx.x);
+  float v = 0.0f;
+  if (lane < HC * HC) v = comb[i * HC * HC + lane];
+  v = sinkhorn_warp(v, HC, iters, hc_eps);
+  if (lane < HC * HC) comb[i * HC * HC + lane] = v;
 }
 
 __global__ void __launch_bounds__(kRowThreads)
@@ -338,15 +604,17 @@ __global__ void __launch_bounds__(DS4_WARP)
                  const int32_t* __restrict__ tid2eid, const int32_t* __restrict__ tokens,
                  const float* __restrict__ bias, int norm, float wscale, int32_t* __restrict__ ids,
                  float* __restrict__ weights) {
-  ds4_grid_begin();
   __shared__ int32_t chosen[kMaxExpertUsed];
   __shared__ float w_s[kMaxExpertUsed];
   __shared__ float den_s;
   const int i = static_cast<int>(blockIdx.x), lane = static_cast<int>(threadIdx.x);
   const float* lg = logits + static_cast<int64_t>(i) * n_expert;
-  if (hash) {
+  // The hash route's experts before the grid wait: the step's tokens were on the device before its
+  // first kernel (and every kernel but the one before this has completed), tid2eid is a weight.
+  if (hash)
     for (int k = lane; k < k_used; k += DS4_WARP) chosen[k] = tid2eid[static_cast<int64_t>(tokens[i]) * k_used + k];
-  } else {
+  ds4_grid_begin();
+  if (!hash) {
     float score[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
@@ -530,6 +798,88 @@ void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float
                  const float* post, const float* comb, Stream s) {
   if (k < 1) throw std::invalid_argument("GPU hc_post_moe: need n_expert_used >= 1");
   launch_hc_post(X, n, hc, d, nullptr, post, comb, MoeSum{D, w, SH, k}, s);
+}
+
+// From this many rows a call runs as a prompt step: the sums kernel 8 rows a block, the pre kernel a
+// block a row (each the same arithmetic a row: the same bits at any row count).
+constexpr int kHcSitePromptRows = 64;
+
+int64_t hc_site_blocks(int64_t d) { return kHcSiteStreams * ((d + kRowThreads - 1) / kRowThreads); }
+
+uint64_t hc_site_scratch_bytes(int rows, int64_t d) {
+  const int64_t parts = static_cast<int64_t>(rows) * hc_site_blocks(d);
+  return static_cast<uint64_t>(8 * parts + 4 * parts * kHcSiteMix);
+}
+
+bool hc_site_takes(int hc, int64_t d, int fn_type) {
+  return hc == kHcSiteStreams && d > 0 && d <= 12 * 1024 && d % 32 == 0 &&
+         (fn_type == kF16 || fn_type == kBF16 || fn_type == kF32);
+}
+
+void hc_site(const HcSite& s, Stream st) {
+  if (s.n <= 0) return;
+  if (!hc_site_takes(s.hc, s.d, s.fn_type)) throw std::invalid_argument("GPU hc_site: hc 4, d % 32 == 0, an F16/BF16/F32 fn");
+  if (s.has_post && s.D != nullptr && s.k < 1) throw std::invalid_argument("GPU hc_site: need n_expert_used >= 1");
+  if (s.has_post && (s.X_out == nullptr || s.X_out == s.X))
+    throw std::invalid_argument("GPU hc_site: the post writes X_out, a buffer apart from X");
+  if (s.scratch_rows < s.n) throw std::invalid_argument("GPU hc_site: scratch for fewer rows than the call's");
+  HcSiteLaunch a{};
+  a.lanes = s.lanes;
+  a.X = s.X;
+  a.Xout = s.X_out;
+  a.d = s.d;
+  a.nb = static_cast<int>(hc_site_blocks(s.d));
+  a.has_post = s.has_post ? 1 : 0;
+  a.Y = s.Y;
+  a.moe = MoeSum{s.D, s.w, s.SH, s.k};
+  a.post = s.post;
+  a.comb = s.comb;
+  a.W = s.fn;
+  a.row_bytes = s.fn_row_bytes;
+  a.scale = s.scale;
+  a.base = s.base;
+  a.hc_eps = s.hc_eps;
+  a.norm_eps = s.norm_eps;
+  a.norm_w = s.norm_w;
+  a.U = s.U;
+  a.planes = s.planes;
+  a.ldp = s.ldp;
+  // The scratch (hc_site_scratch_bytes of scratch_rows >= n): the doubles, then the floats.
+  const int64_t parts = static_cast<int64_t>(s.scratch_rows) * a.nb;
+  a.part_ss = reinterpret_cast<double*>(s.scratch);
+  a.part_mix = reinterpret_cast<float*>(s.scratch + 8 * parts);
+  const cudaStream_t stream = cs(st);
+  // Prompt steps: several rows a block, so each block's weights serve them all (the same bits).
+  const int per_block = s.n >= kHcSitePromptRows ? 8 : 1;
+  const unsigned row_blocks = static_cast<unsigned>((s.n + per_block - 1) / per_block);
+  auto sums = [&](auto kernel) {
+    launch(kernel, dim3(static_cast<unsigned>(a.nb), row_blocks), kRowThreads, 0, stream, a, s.n, per_block);
+  };
+  if (s.head) {
+    if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, true>);
+    else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, true>);
+    else sums(hc_site_sums_kernel<kF32, true>);
+  } else {
+    if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, false>);
+    else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, false>);
+    else sums(hc_site_sums_kernel<kF32, false>);
+  }
+  DS4_GPU_CHECK_LAUNCH("hc_site_sums_kernel");
+  const size_t smem = std::max<size_t>(static_cast<size_t>(s.d) * sizeof(float),
+                                       static_cast<size_t>(a.nb) * (sizeof(double) + kHcSiteMix * sizeof(float)));
+  // Prompt steps: a block a row (X read once a row); decode: a block per 256 elements (the same bits).
+  const bool whole_row = s.n >= kHcSitePromptRows;
+  const dim3 grid(whole_row ? 1u : static_cast<unsigned>((s.d + kRowThreads - 1) / kRowThreads),
+                  static_cast<unsigned>(s.n));
+  if (s.head) launch(hc_site_pre_kernel<true>, grid, kRowThreads, smem, stream, a, whole_row);
+  else launch(hc_site_pre_kernel<false>, grid, kRowThreads, smem, stream, a, whole_row);
+  DS4_GPU_CHECK_LAUNCH("hc_site_pre_kernel");
+}
+
+void hc_comb(float* comb, int n, int iters, float hc_eps, Stream st) {
+  if (n <= 0) return;
+  launch(hc_comb_kernel<kHcSiteStreams>, n, DS4_WARP, 0, cs(st), comb, iters, hc_eps);
+  DS4_GPU_CHECK_LAUNCH("hc_comb_kernel");
 }
 
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,

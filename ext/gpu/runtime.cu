@@ -259,5 +259,47 @@ void route(const float* logits, int n, int n_expert, int k, const float* bias, b
   w.download(weights);
 }
 
+void hc_site(float* X, int n, int64_t d, const float* Y, float* post, float* comb, const TensorView& fn,
+             const float* scale, const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w,
+             float* U) {
+  if (n <= 0) return;
+  constexpr int hc = kHcSiteStreams, mix = (2 + hc) * hc;
+  if (fn.ne[0] != hc * d || fn.ne[1] != mix) throw std::invalid_argument("testing::hc_site: fn must be [24][4 d]");
+  const size_t rows = static_cast<size_t>(n);
+  Buffer x(X, rows * hc * d * 4), xo(rows * hc * d * 4), po(post, rows * hc * 4), co(comb, rows * hc * hc * 4);
+  Buffer u(rows * d * 4);
+  Buffer y(Y, Y ? rows * d * 4 : 0), w(fn.data, static_cast<size_t>(fn.nbytes())), sc(scale, 3 * 4), ba(base, mix * 4);
+  Buffer nw(norm_w, norm_w ? static_cast<size_t>(d) * 4 : 0);
+  Buffer scratch(hc_site_scratch_bytes(n, d));
+  HcSite s;
+  s.X = x.as<float>();
+  s.X_out = xo.as<float>();
+  s.n = n;
+  s.hc = hc;
+  s.d = d;
+  s.has_post = Y != nullptr;
+  s.Y = y.as<float>();
+  s.post = po.as<float>();
+  s.comb = co.as<float>();
+  s.fn = w.as<uint8_t>();
+  s.fn_type = static_cast<int>(fn.type);
+  s.fn_row_bytes = fn.row_bytes();
+  s.scale = sc.as<float>();
+  s.base = ba.as<float>();
+  s.hc_eps = hc_eps;
+  s.norm_eps = norm_eps;
+  s.norm_w = norm_w ? nw.as<float>() : nullptr;
+  s.U = u.as<float>();
+  s.scratch = scratch.as<uint8_t>();
+  s.scratch_rows = n;
+  ds4::gpu::hc_site(s, nullptr);
+  ds4::gpu::hc_comb(co.as<float>(), n, iters, hc_eps, nullptr);
+  sync();
+  (Y ? xo : x).download(X);
+  po.download(post);
+  co.download(comb);
+  u.download(U);
+}
+
 }  // namespace testing
 }  // namespace ds4::gpu

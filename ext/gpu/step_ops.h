@@ -53,6 +53,51 @@ void hc_post(float* X, int n, int hc, int64_t d, const float* Y, const float* po
 void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float* w, const float* SH, int k,
                  const float* post, const float* comb, Stream s);
 
+// One mHC site in two launches (pass 17, lane_ops.cu hc_site_sums_kernel and hc_site_pre_kernel,
+// instead of hc_post, the projection's matvec and hc_mix): the post of the sublayer that
+// ends at the site (has_post: hc_post with Y's rows, or hc_post_moe with the MoE sum D, w, SH, k;
+// post and comb are the previous site's) from X into X_out (not in place: the streams' blocks read
+// each other's inputs), then the site's projection mix = fn . x̂, rho, and
+// hc_pre with its RMSNorm and planes: post replaced by the site's, comb by its logits, which
+// hc_comb then takes through the Sinkhorn (a launch of its own, for the step's side branch). hc = 4
+// streams, d % 32 == 0, fn F16/BF16/F32 (hc_site_takes). The projection and rho add in an order of their own,
+// so the bits differ from mv + hc_pre's (within fp32 rounding); still fixed by d alone, lane-local.
+// scratch: hc_site_scratch_bytes(scratch_rows, d) bytes, 8-byte aligned (the block sums);
+// scratch_rows >= n.
+// head: hc_head's site (fn of hc rows; no post and comb out): row j of the call runs lane lanes[j]
+// (null: lane j), its U row j the head's input (norm_w: the output norm).
+constexpr int kHcSiteStreams = 4;
+constexpr int kHcSiteMix = (2 + kHcSiteStreams) * kHcSiteStreams;  // the projection's rows at a site
+struct HcSite {
+  bool head = false;
+  const int32_t* lanes = nullptr;
+  float* X = nullptr;
+  float* X_out = nullptr;  // has_post: the streams after the post (a buffer apart from X)
+  int n = 0, hc = 0;
+  int64_t d = 0;
+  bool has_post = false;
+  const float* Y = nullptr;
+  const float *D = nullptr, *w = nullptr, *SH = nullptr;
+  int k = 0;
+  float *post = nullptr, *comb = nullptr;
+  const uint8_t* fn = nullptr;
+  int fn_type = 0;
+  int64_t fn_row_bytes = 0;
+  const float *scale = nullptr, *base = nullptr;
+  float hc_eps = 0.0f, norm_eps = 0.0f;
+  const float* norm_w = nullptr;
+  float* U = nullptr;
+  uint8_t* planes = nullptr;
+  int64_t ldp = 0;
+  uint8_t* scratch = nullptr;
+  int scratch_rows = 0;
+};
+bool hc_site_takes(int hc, int64_t d, int fn_type);
+uint64_t hc_site_scratch_bytes(int rows, int64_t d);
+void hc_site(const HcSite& s, Stream st);
+// comb [n][4][4] = Sinkhorn(comb) in place (hc_pre's), after hc_site wrote the logits.
+void hc_comb(float* comb, int n, int iters, float hc_eps, Stream st);
+
 // hc_head (spec §3.3) for the lanes lanes[0..n_out): out[j] = sum_i w_i X[lanes[j]][i], then (norm_w
 // given) the output RMSNorm in place as in hc_pre.
 void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d, const float* mix, int64_t mix_ld,

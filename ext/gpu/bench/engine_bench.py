@@ -46,10 +46,12 @@ includes the plan upload, every kernel and the logits download). Method:
   4, 8; setting these selects the own grouped kernel, so --variants runs it whatever
   DS4_GPU_MV_GROUPED says), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements
   a row it takes (0 any; -1 the default), `stagedmin=N` the fewest columns a product takes the
-  staged kernel from; joined
+  staged kernel from, `hcfused=0/1` each mHC site (the post before it, its projection, its pre)
+  in one launch; joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
-  variant's logits with the first one's, bit for bit (expected equal for all but `mma` and `int8`);
+  variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8` and
+  `hcfused`);
   the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
@@ -207,7 +209,8 @@ def mode_name(graphs: bool, tall: bool, staged: bool, chunked: bool) -> str:
 SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist": True,
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
-                   "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2}
+                   "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
+                   "hcfused": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -239,6 +242,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     runner._impl.use_tall_matvec = want["tall"]
     _native._testing.gpu_set_matvec_tall_min_k(want["tallk"])
     runner._impl.staged_min_cols = want["stagedmin"]
+    runner._impl.use_hc_fused = want["hcfused"]
 
 
 class Runs:
