@@ -457,7 +457,7 @@ def _t_gpu_route(logits, bias, int k, norm=True, float scale=1.0):
 
 def _t_gpu_hc_site(X, Y, post, comb, int fn_type, fn_raw, scale, base, int iters, float hc_eps, float norm_eps,
                    norm_w=None):
-    """One mHC site in one launch (ext/gpu/step_ops.h hc_site): X [n, 4, d]; Y [n, d] or None (no
+    """One fused mHC site (ext/gpu/step_ops.h hc_site, then hc_comb): X [n, 4, d]; Y [n, d] or None (no
     post before the site; then post and comb are not read); post [n, 4], comb [n, 4, 4] of the
     previous site; fn_raw the [24, 4 d] projection's bytes of ggml type fn_type; returns (X after
     the post, U, post, comb) of this site, U normed by norm_w when given."""

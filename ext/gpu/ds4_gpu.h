@@ -175,7 +175,7 @@ void qat_rows(int kind, float* X, int n_rows, int n);
 // bias [n_expert]; ids and weights [n][k] out.
 void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
            float* weights);
-// One mHC site in one launch (step_ops.h hc_site; 4 streams) on host arrays: X [n][4][d] and post
+// One fused mHC site (step_ops.h hc_site, then hc_comb; 4 streams) on host arrays: X [n][4][d] and post
 // [n][4], comb [n][4][4] in place; Y [n][d] the post's y (null: no post); fn the [24][4 d]
 // projection (F16, BF16 or F32); scale [3], base [24]; norm_w [d] or null; U [n][d] out.
 void hc_site(float* X, int n, int64_t d, const float* Y, float* post, float* comb, const TensorView& fn,

@@ -230,8 +230,8 @@ cdef class GpuEngine:
 
     @property
     def use_hc_fused(self):
-        """Whether each mHC site (the post before it, its projection, its pre) runs as one kernel
-        (default on, DS4_GPU_HC_FUSED=0 off). Changes bits: the projection and rho add in another
+        """Whether each mHC site (the post before it, its projection, its pre) runs fused, in two
+        kernels instead of three (default on, DS4_GPU_HC_FUSED=0 off). Changes bits: the projection and rho add in another
         fixed order; each setting is exact and batch invariant on its own."""
         return bool(self._get().hc_fused())
 

@@ -168,8 +168,8 @@ struct GpuEngine::Impl {
   bool branches = false;     // the switch
   bool branching = false;    // this step's launches branch: the switch, with no product using scratch
   bool side_pending = false;  // side work not yet joined
-  // The mHC sites in one launch each (set_hc_fused): a sublayer's mHC post waits in `post_due` for
-  // the next site (hc_pre_site), which takes it into its hc_site launch or runs it first.
+  // The fused mHC sites (set_hc_fused): a sublayer's mHC post waits in `post_due` for the next site
+  // (hc_pre_site), which takes it into its hc_site launches or runs it first.
   bool hc_fused = false;
   struct PostDue {
     bool due = false;
@@ -232,7 +232,7 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
-  // least row width; the one-launch mHC sites).
+  // least row width; the fused mHC sites).
   using GraphKey = std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
@@ -756,7 +756,7 @@ CompressorLaunch GpuEngine::Impl::compressor_launch(int l, bool indexer) {
 }
 
 // mHC pre, then the site's RMSNorm (attn_norm / ffn_norm) fused into the same kernel: u = norm(sum pre_j X_j).
-// With the one-launch sites (hc_fused) the sublayer's post due here runs in the same kernel.
+// With the fused sites (hc_fused) the sublayer's post due here runs in the site's first kernel.
 void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
   const int64_t d = cfg.n_embd, hcd = cfg.hc_mult * d, mix = (2 + cfg.hc_mult) * cfg.hc_mult;
   if (hc_fused && hc_site_takes(cfg.hc_mult, d, static_cast<int>(w.fn.type))) {
@@ -815,7 +815,7 @@ void GpuEngine::Impl::post_site(const float* Y, const float* D, const float* w, 
   post_due = PostDue{true, Y, D, w, SH, k};
 }
 
-// The Sinkhorn of the last one-launch site's comb (hc_comb), due before the next post reads it: the
+// The Sinkhorn of the last fused site's comb (hc_comb), due before the next post reads it: the
 // layer's side branch runs it after its own work (so the shared expert starts at the fork).
 void GpuEngine::Impl::run_comb_due() {
   if (!comb_due) return;

@@ -107,8 +107,9 @@ class GpuEngine {
   // scratch). Default: on; DS4_GPU_BRANCHES=0 turns it off. Part of the graph key.
   void set_branches(bool on);
   bool branches() const;
-  // The mHC sites in one launch each (pass 17, step_ops.h hc_site): the post of the sublayer that
-  // ends at a site, the site's projection and its mHC pre in one kernel instead of three. Changes
+  // The fused mHC sites (pass 17, step_ops.h hc_site): the post of the sublayer that ends at a site,
+  // the site's projection and its mHC pre in two kernels instead of three (and the Sinkhorn in a
+  // third, on the step's side branch). Changes
   // bits (the projection and rho add in another fixed order; each setting exact and batch
   // invariant, within fp32 rounding of the other). Default: on; DS4_GPU_HC_FUSED=0 turns it off.
   // Part of the graph key.

@@ -14,6 +14,11 @@
 //                    (hc_post_moe) y is the MoE combine, computed in place of reading it: one
 //                    launch fewer a layer.
 // hc_head            grid (1, n_out), hc_mix_kernel's block 0 without Sinkhorn, output_norm fused.
+// hc_site            pass 17, the fused site (GpuEngine.use_hc_fused): hc_site_sums grid (4 d/256,
+//                    rows / 1 or 8), the post and the block sums of the projection and rho; then
+//                    hc_site_pre grid (d/256 or 1, rows), hc_pre's work from those sums (the
+//                    kernels' own comment). hc_comb grid n, a warp: the Sinkhorn, on the side branch.
+//                    Bytes: as hc_post + the projection + hc_mix, X re-read from L2 by each pre block.
 // q_heads            grid n * n_head, 256 threads: RMSNorm then RoPE on one head, in place.
 // kv_finish          grid n: RMSNorm(kv_norm), RoPE, FP8 (qat), f16 out. Bytes: 4+2 per element.
 // idx_q_finish       grid n * heads: RoPE, Hadamard + FP4 (qat) per indexer head, in place.

@@ -196,18 +196,6 @@ DS4_HD T ds4_ldg(const T* p) {
 #endif
 }
 
-// A load of what another block of the same grid wrote before it signalled (through an atomic after
-// a __threadfence): through L2 only, never a line L1 may already hold (CUDA ld.global.cg; HIP a
-// volatile load).
-template <class T>
-DS4_HD T ds4_ldcg(const T* p) {
-#if defined(DS4_DEVICE_PASS) && defined(DS4_CUDA)
-  return __ldcg(p);
-#else
-  return *static_cast<const volatile T*>(p);
-#endif
-}
-
 // --- warp-scope copies into shared memory (matvec.cuh's chunked weight loads) -----------------
 // ds4_cp_async16(dst, src): copy 16 bytes, global -> shared (16-byte aligned both). On sm_80+ an
 // asynchronous cp.async (no registers held while it is in flight); elsewhere a plain load and

@@ -47,7 +47,7 @@ includes the plan upload, every kernel and the logits download). Method:
   DS4_GPU_MV_GROUPED says), `tall=0/1` the tall matvec variant and `tallk=N` the fewest elements
   a row it takes (0 any; -1 the default), `stagedmin=N` the fewest columns a product takes the
   staged kernel from, `hcfused=0/1` each mHC site (the post before it, its projection, its pre)
-  in one launch; joined
+  fused into two launches; joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8` and

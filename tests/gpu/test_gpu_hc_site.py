@@ -1,10 +1,12 @@
-"""One mHC site in one launch (ext/gpu/step_ops.h hc_site, GPU pass 17).
+"""The fused mHC site (ext/gpu/step_ops.h hc_site, then hc_comb; GPU pass 17).
 
-The kernel runs the post of the sublayer that ends at a site (X[k] = post_k y + sum_j comb[j][k]
-X[j]), the site's projection mix = fn . x̂ with rho, and the site's mHC pre with its RMSNorm, in one
-launch. Its projection and rho add in an order of their own, so its bits differ from the three
-launches' (the engine's ``use_hc_fused`` switch); each setting must be exact against the numpy
-reference within fp32 rounding, and batch invariant on its own.
+Two kernels run the post of the sublayer that ends at a site (X[k] = post_k y + sum_j comb[j][k]
+X[j]), the site's projection mix = fn . x̂ with rho, and the site's mHC pre with its RMSNorm, and a
+third the Sinkhorn, instead of hc_post, the projection's matvec and hc_mix. The projection and rho
+add in an order of their own, so the bits differ from the three launches' (the engine's
+``use_hc_fused`` switch); each setting must be exact against the numpy reference within fp32
+rounding, and batch invariant on its own (decode rows and prompt rows take different block shapes
+with the same arithmetic a row).
 
 Marked ``gpu``. Hook (``_testing``): ``gpu_hc_site(X, Y, post, comb, fn_type, fn_raw, scale, base,
 iters, hc_eps, norm_eps, norm_w) -> (X, U, post, comb)``.
