@@ -426,7 +426,8 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLa
     ss_s = t;
   }
   __syncthreads();
-  const float rho = static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.norm_eps)));
+  const float rho =
+      static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.norm_eps)));
   if constexpr (!HEAD) {  // post, and comb's logits (hc_mix_kernel's part 1 before its Sinkhorn)
     if (blockIdx.x == 0) {
       if (tid < HC) a.post[i * HC + tid] = 2.0f * sigmoid_dev(a.scale[1] * (rho * mix_s[HC + tid]) + a.base[HC + tid]);
@@ -816,14 +817,17 @@ uint64_t hc_site_scratch_bytes(int rows, int64_t d) {
   return static_cast<uint64_t>(8 * parts + 4 * parts * kHcSiteMix);
 }
 
+// d <= 8192: the pre kernel's u (4 d bytes of dynamic shared memory) and its static arrays stay within
+// the 48 KB a block has without opting in; wider rows take the three launches.
 bool hc_site_takes(int hc, int64_t d, int fn_type) {
-  return hc == kHcSiteStreams && d > 0 && d <= 12 * 1024 && d % 32 == 0 &&
+  return hc == kHcSiteStreams && d > 0 && d <= 8 * 1024 && d % 32 == 0 &&
          (fn_type == kF16 || fn_type == kBF16 || fn_type == kF32);
 }
 
 void hc_site(const HcSite& s, Stream st) {
   if (s.n <= 0) return;
-  if (!hc_site_takes(s.hc, s.d, s.fn_type)) throw std::invalid_argument("GPU hc_site: hc 4, d % 32 == 0, an F16/BF16/F32 fn");
+  if (!hc_site_takes(s.hc, s.d, s.fn_type))
+    throw std::invalid_argument("GPU hc_site: needs hc 4, d % 32 == 0, d <= 8192 and an F16/BF16/F32 fn");
   if (s.has_post && s.D != nullptr && s.k < 1) throw std::invalid_argument("GPU hc_site: need n_expert_used >= 1");
   if (s.has_post && (s.X_out == nullptr || s.X_out == s.X))
     throw std::invalid_argument("GPU hc_site: the post writes X_out, a buffer apart from X");

@@ -60,7 +60,8 @@ void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float
 // each other's inputs), then the site's projection mix = fn . x̂, rho, and
 // hc_pre with its RMSNorm and planes: post replaced by the site's, comb by its logits, which
 // hc_comb then takes through the Sinkhorn (a launch of its own, for the step's side branch). hc = 4
-// streams, d % 32 == 0, fn F16/BF16/F32 (hc_site_takes). The projection and rho add in an order of their own,
+// streams, d % 32 == 0 and at most 8192, fn F16/BF16/F32 (hc_site_takes; the engine runs the three
+// launches otherwise). The projection and rho add in an order of their own,
 // so the bits differ from mv + hc_pre's (within fp32 rounding); still fixed by d alone, lane-local.
 // scratch: hc_site_scratch_bytes(scratch_rows, d) bytes, 8-byte aligned (the block sums);
 // scratch_rows >= n.
