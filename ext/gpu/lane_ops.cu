@@ -284,18 +284,19 @@ __device__ __forceinline__ float fn_weight(const uint8_t* __restrict__ row, int6
 // One mHC site in two launches (pass 17; step_ops.h hc_site), instead of hc_post, the projection's
 // matvec and hc_mix. HC = 4 streams, 256 threads a block; row j of the call runs lane lanes[j] (or j).
 //
-// hc_site_sums_kernel, grid (nb = HC * ceil(d / 256), rows): block b takes stream k = b / (nb / HC)
-// and elements e = 256 (b % (nb / HC)) + t: x = X[i][k][e] after the post of the sublayer that ends
-// here (has_post: hc_post_one, the hc_post kernel's bits, written to Xout: the other streams' blocks
-// still read X), then the block's part of rho's sum of squares (double) and of the projection,
-// sum_e fn[r][k d + e] x for each of the MIX rows (the butterfly, then block_sum's tree), into
-// part_ss / part_mix [j][b].
+// hc_site_sums_kernel, grid (nb = HC * ceil(d / 256), rows / R; R = 8 rows a block from kHcSitePromptRows rows,
+// each applying the block's weights, loaded once, else 1): block b takes stream k = b / (nb / HC) and elements e =
+// 256 (b % (nb / HC)) + t: x = X[i][k][e] after the post of the sublayer that ends here (has_post: hc_post_one, the
+// hc_post kernel's bits, written to Xout: the other streams' blocks still read X), then the block's part of rho's
+// sum of squares (double) and of the projection, sum_e fn[r][k d + e] x for each of the MIX rows (the butterfly,
+// then block_sum's tree), into part_ss / part_mix [j][b].
 //
-// hc_site_pre_kernel, grid (ceil(d / 256), rows): every block adds the row's nb block sums in block
-// order (the same bits in every block), then does hc_mix's work for its 256 elements: pre, u =
-// sum_s pre_s X[s] over the whole row for the norm's sum of squares (each block the same, in the
-// same order), and its slice of U = (u r) w and of U's planes. Block 0 writes post and comb's logits,
-// which hc_comb takes through the Sinkhorn (a launch of its own, off the critical path).
+// hc_site_pre_kernel, grid (ceil(d / 256), rows), or (1, rows) from kHcSitePromptRows rows (whole_row: a block a
+// row, X read once a row, every element's same arithmetic): every block adds the row's nb block sums in block order
+// (the same bits in every block), then does hc_mix's work for its 256 elements: pre, u = sum_s pre_s X[s] over the
+// whole row for the norm's sum of squares (each block the same, in the same order), and its slice of U = (u r) w
+// and of U's planes. Block 0 writes post and comb's logits, which hc_comb takes through the Sinkhorn (a launch of
+// its own, off the critical path).
 // HEAD: hc_head's site (MIX = HC rows; U's row j is the head's input; no post or comb out).
 // Every sum's order is fixed by d alone and a row reads only its own lane: batch invariant. The
 // projection and rho add in another order than mv + hc_pre (the hc_fused switch's bits differ).
