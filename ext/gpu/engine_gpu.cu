@@ -767,8 +767,7 @@ void GpuEngine::Impl::hc_pre_site(const HcWeights& w, const float* norm) {
     comb_due = true;  // its Sinkhorn: at the end of the site's side branch (run_comb_due)
     post_due = PostDue{};
   } else {
-    run_comb_due();
-    run_post_due();
+    run_post_due();  // (and any comb due before it)
     mv(w.fn, x_hc, n, hcd, mix_buf, mix);
     hc_pre(x_hc, n, cfg.hc_mult, d, mix_buf, mix, w.scale, w.base, cfg.hc_sinkhorn_iters, cfg.hc_eps, cfg.norm_eps,
            norm, u, post_buf, comb_buf, stream, planes_out(planes_u), planes_ld(d));

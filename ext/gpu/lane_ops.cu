@@ -303,27 +303,11 @@ __device__ __forceinline__ float fn_weight(const uint8_t* __restrict__ row, int6
 // Bytes: the post's (HC + 1 + MoE) d reads and HC d writes a lane, fn (MIX x HC d weights) a lane
 // (from L2 after the first), X from L2 once a pre block (16 d bytes), U and its planes out.
 struct HcSiteLaunch {
-  const int32_t* lanes;  // grid row j runs lane lanes[j] (null: lane j)
-  const float* X;  // the streams [lane][HC][d]
-  float* Xout;     // has_post: the streams after the post (same shape; not X)
-  int64_t d;
-  int nb;  // sum blocks a row
-  int has_post;
-  const float* Y;  // the post's y rows (null with moe.D given: the MoE sum)
-  MoeSum moe;
-  float* post;  // [n][HC]: the previous site's (read by the sums), then this site's (written by pre)
-  float* comb;  // [n][HC][HC], the same (pre writes the logits, hc_comb the matrix)
-  const uint8_t* W;  // the projection's MIX rows of HC d weights, row_bytes apart
-  int64_t row_bytes;
-  const float* scale;
-  const float* base;
-  float hc_eps, norm_eps;
-  const float* norm_w;  // the site's RMSNorm (null: U = u)
-  float* U;
-  uint8_t* planes;  // U's planes (null: none), a row ldp bytes
-  int64_t ldp;
-  double* part_ss;  // [rows][nb]
-  float* part_mix;  // [rows][nb][MIX]
+  HcSite site;  // as the caller gave it (step_ops.h)
+  MoeSum moe;   // site's D, w, SH, k
+  int nb;       // sum blocks a row
+  double* part_ss;  // [rows][nb], in site.scratch
+  float* part_mix;  // [rows][nb][MIX], after them
 };
 
 template <int WT, bool HEAD>
@@ -333,7 +317,7 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteL
   __shared__ float red_mix[kRowWarps][MIX];
   const int b = static_cast<int>(blockIdx.x), tid = static_cast<int>(threadIdx.x);
   const int warp = tid / DS4_WARP, lane = tid % DS4_WARP;
-  const int64_t d = a.d;
+  const int64_t d = a.site.d;
   const int slices = a.nb / HC, k = b / slices;
   const int64_t e = static_cast<int64_t>(b - k * slices) * kRowThreads + tid;
   // The block's weights before the grid wait (constant data), so their latency hides behind the
@@ -341,21 +325,21 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteL
   // arithmetic, whichever block and however many rows a block: the same bits).
   float wt[MIX];
 #pragma unroll
-  for (int r = 0; r < MIX; ++r) wt[r] = e < d ? fn_weight<WT>(a.W + r * a.row_bytes, k * d + e) : 0.0f;
+  for (int r = 0; r < MIX; ++r) wt[r] = e < d ? fn_weight<WT>(a.site.fn + r * a.site.fn_row_bytes, k * d + e) : 0.0f;
   ds4_grid_begin();
   const int row0 = static_cast<int>(blockIdx.y) * rows_per_block;
   for (int row = row0; row < row0 + rows_per_block && row < rows; ++row) {
-    const int i = a.lanes != nullptr ? a.lanes[row] : row;
-    const float* x = a.X + static_cast<int64_t>(i) * HC * d;
+    const int i = a.site.lanes != nullptr ? a.site.lanes[row] : row;
+    const float* x = a.site.X + static_cast<int64_t>(i) * HC * d;
     float v = 0.0f;
     if (e < d) {
-      if (a.has_post) {  // post and comb of the lane: the same few values for every thread (L1)
-        const float ye = a.moe.D != nullptr ? moe_value(a.moe, d, i, e) : a.Y[static_cast<int64_t>(i) * d + e];
+      if (a.site.has_post) {  // post and comb of the lane: the same few values for every thread (L1)
+        const float ye = a.moe.D != nullptr ? moe_value(a.moe, d, i, e) : a.site.Y[static_cast<int64_t>(i) * d + e];
         float old[HC];
 #pragma unroll
         for (int j = 0; j < HC; ++j) old[j] = x[j * d + e];
-        v = hc_post_one<HC>(old, HC, k, ye, a.post + i * HC, a.comb + i * HC * HC);
-        a.Xout[static_cast<int64_t>(i) * HC * d + k * d + e] = v;
+        v = hc_post_one<HC>(old, HC, k, ye, a.site.post + i * HC, a.site.comb + i * HC * HC);
+        a.site.X_out[static_cast<int64_t>(i) * HC * d + k * d + e] = v;
       } else {
         v = x[k * d + e];
       }
@@ -391,16 +375,17 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLa
   __shared__ float mix_s[MIX];
   __shared__ double ss_s;
   const int row = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
-  const int64_t d = a.d, q4 = d / 4;
-  // This block's 256 elements (64 float4s; whole_row: the row's): their norm weights before the grid
-  // wait (constant).
+  const int64_t d = a.site.d, q4 = d / 4;
+  // This block's 256 elements (64 float4s): thread t's norm weights before the grid wait (constant
+  // data); a whole-row block loads the row's as it writes U.
   const int64_t q0 = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 4);
-  const bool mine = tid < kRowThreads / 4 && q0 + tid < q4;
-  const float4 nw = a.norm_w && mine && !whole_row ? ds4_ldg(reinterpret_cast<const float4*>(a.norm_w) + q0 + tid)
-                                                   : make_float4(1.f, 1.f, 1.f, 1.f);
+  const bool early_w = !whole_row && a.site.norm_w && tid < kRowThreads / 4 && q0 + tid < q4;
+  const float4 nw = early_w ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q0 + tid)
+                            : make_float4(1.f, 1.f, 1.f, 1.f);
   ds4_grid_begin();
-  const int i = a.lanes != nullptr ? a.lanes[row] : row;
-  const float4* x4 = reinterpret_cast<const float4*>((a.has_post ? a.Xout : a.X) + static_cast<int64_t>(i) * HC * d);
+  const int i = a.site.lanes != nullptr ? a.site.lanes[row] : row;
+  const float* xi = (a.site.has_post ? a.site.X_out : a.site.X) + static_cast<int64_t>(i) * HC * d;
+  const float4* x4 = reinterpret_cast<const float4*>(xi);
   float4 held[kHcPreHeld][HC];  // X's first float4s of the thread, loaded beside the block sums
 #pragma unroll
   for (int c = 0; c < kHcPreHeld; ++c) {
@@ -428,18 +413,21 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLa
   }
   __syncthreads();
   const float rho =
-      static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.norm_eps)));
+      static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.site.norm_eps)));
   if constexpr (!HEAD) {  // post, and comb's logits (hc_mix_kernel's part 1 before its Sinkhorn)
     if (blockIdx.x == 0) {
-      if (tid < HC) a.post[i * HC + tid] = 2.0f * sigmoid_dev(a.scale[1] * (rho * mix_s[HC + tid]) + a.base[HC + tid]);
+      if (tid < HC)
+        a.site.post[i * HC + tid] =
+            2.0f * sigmoid_dev(a.site.scale[1] * (rho * mix_s[HC + tid]) + a.site.base[HC + tid]);
       else if (tid >= DS4_WARP && tid < DS4_WARP + HC * HC)
-        a.comb[i * HC * HC + tid - DS4_WARP] =
-            a.scale[2] * (rho * mix_s[2 * HC + tid - DS4_WARP]) + a.base[2 * HC + tid - DS4_WARP];
+        a.site.comb[i * HC * HC + tid - DS4_WARP] =
+            a.site.scale[2] * (rho * mix_s[2 * HC + tid - DS4_WARP]) + a.site.base[2 * HC + tid - DS4_WARP];
     }
   }
   float pre[HC];  // (the barrier above ends the block sums' use of site_u)
 #pragma unroll
-  for (int s = 0; s < HC; ++s) pre[s] = sigmoid_dev(a.scale[0] * (rho * mix_s[s]) + a.base[s]) + a.hc_eps;
+  for (int s = 0; s < HC; ++s)
+    pre[s] = sigmoid_dev(a.site.scale[0] * (rho * mix_s[s]) + a.site.base[s]) + a.site.hc_eps;
   // u = sum_s pre_s X[s] (s in order, as hc_mix_kernel) over the whole row, four elements a thread
   // at a time; its sum of squares in the same order in every block.
   double uss = 0.0;
@@ -468,51 +456,31 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLa
     add(q, xv);
   }
   float r = 1.0f;
-  if (a.norm_w) {
+  if (a.site.norm_w) {
     const double ut = block_sum(uss, red);  // its barrier also publishes site_u
-    r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(a.norm_eps)));
+    r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(a.site.norm_eps)));
   } else {
     __syncthreads();
   }
-  // This block's 256 elements (64 float4s, 8 units): U, and its planes from the shared copy. A
-  // whole-row block (prompt steps: one block a row reads X once) does every element's same
-  // arithmetic, and its planes are the same records.
-  float4* u4 = reinterpret_cast<float4*>(a.U + static_cast<int64_t>(row) * d);
-  if (whole_row) {
-    const float4* w4 = reinterpret_cast<const float4*>(a.norm_w);
-    for (int64_t q = tid; q < q4; q += kRowThreads) {
-      const float4 t = site_u[q];
-      float4 o = t;
-      if (a.norm_w) {
-        const float4 w = ds4_ldg(w4 + q);
-        o = make_float4((t.x * r) * w.x, (t.y * r) * w.y, (t.z * r) * w.z, (t.w * r) * w.w);
-      }
-      u4[q] = o;
-      site_u[q] = o;
-    }
-    if (a.planes != nullptr) {
-      __syncthreads();
-      unit_planes_of_row(reinterpret_cast<const float*>(site_u), d, a.planes + static_cast<int64_t>(row) * a.ldp);
-    }
-    return;
-  }
-  const int64_t q = q0 + tid;
-  if (mine) {
+  // The block's float4s [qb, qe) (its 64, or the row's in a whole-row block: every element's same
+  // arithmetic): U, and its planes from the shared copy (unit_planes_of_row's records).
+  const int64_t qb = whole_row ? 0 : q0;
+  const int64_t qe = whole_row || q0 + kRowThreads / 4 > q4 ? q4 : q0 + kRowThreads / 4;
+  float4* u4 = reinterpret_cast<float4*>(a.site.U + static_cast<int64_t>(row) * d);
+  for (int64_t q = qb + tid; q < qe; q += kRowThreads) {
     const float4 t = site_u[q];
-    const float4 o = a.norm_w ? make_float4((t.x * r) * nw.x, (t.y * r) * nw.y, (t.z * r) * nw.z, (t.w * r) * nw.w) : t;
+    float4 o = t;
+    if (a.site.norm_w) {
+      const float4 w = whole_row ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q) : nw;
+      o = make_float4((t.x * r) * w.x, (t.y * r) * w.y, (t.z * r) * w.z, (t.w * r) * w.w);
+    }
     u4[q] = o;
     site_u[q] = o;
   }
-  if (a.planes != nullptr) {  // unit_planes_of_row's records for the block's units (d % 32 == 0)
+  if (a.site.planes != nullptr) {
     __syncthreads();
-    constexpr int kUnits = kRowThreads / 32;
-    const int64_t left = (d - 4 * q0) / 32;
-    if (tid < kUnits * kPlaneThreads) {  // whole warps (the records' shuffles)
-      const bool live = tid / kPlaneThreads < left;
-      const float4 v = live ? site_u[q0 + tid] : make_float4(0.f, 0.f, 0.f, 0.f);
-      unit_planes_part(v, tid % kPlaneThreads, live,
-                       a.planes + static_cast<int64_t>(row) * a.ldp + kPlaneBytes * (q0 / 8 + tid / kPlaneThreads));
-    }
+    unit_planes_of_row(reinterpret_cast<const float*>(site_u + qb), 4 * (qe - qb),
+                       a.site.planes + static_cast<int64_t>(row) * a.site.ldp + kPlaneBytes * (qb / 8));
   }
 }
 
@@ -834,26 +802,9 @@ void hc_site(const HcSite& s, Stream st) {
     throw std::invalid_argument("GPU hc_site: the post writes X_out, a buffer apart from X");
   if (s.scratch_rows < s.n) throw std::invalid_argument("GPU hc_site: scratch for fewer rows than the call's");
   HcSiteLaunch a{};
-  a.lanes = s.lanes;
-  a.X = s.X;
-  a.Xout = s.X_out;
-  a.d = s.d;
-  a.nb = static_cast<int>(hc_site_blocks(s.d));
-  a.has_post = s.has_post ? 1 : 0;
-  a.Y = s.Y;
+  a.site = s;
   a.moe = MoeSum{s.D, s.w, s.SH, s.k};
-  a.post = s.post;
-  a.comb = s.comb;
-  a.W = s.fn;
-  a.row_bytes = s.fn_row_bytes;
-  a.scale = s.scale;
-  a.base = s.base;
-  a.hc_eps = s.hc_eps;
-  a.norm_eps = s.norm_eps;
-  a.norm_w = s.norm_w;
-  a.U = s.U;
-  a.planes = s.planes;
-  a.ldp = s.ldp;
+  a.nb = static_cast<int>(hc_site_blocks(s.d));
   // The scratch (hc_site_scratch_bytes of scratch_rows >= n): the doubles, then the floats.
   const int64_t parts = static_cast<int64_t>(s.scratch_rows) * a.nb;
   a.part_ss = reinterpret_cast<double*>(s.scratch);

@@ -263,7 +263,7 @@ void hc_site(float* X, int n, int64_t d, const float* Y, float* post, float* com
              const float* scale, const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w,
              float* U) {
   if (n <= 0) return;
-  constexpr int hc = kHcSiteStreams, mix = (2 + hc) * hc;
+  constexpr int hc = kHcSiteStreams, mix = kHcSiteMix;
   if (fn.ne[0] != hc * d || fn.ne[1] != mix) throw std::invalid_argument("testing::hc_site: fn must be [24][4 d]");
   const size_t rows = static_cast<size_t>(n);
   Buffer x(X, rows * hc * d * 4), xo(rows * hc * d * 4), po(post, rows * hc * 4), co(comb, rows * hc * hc * 4);
