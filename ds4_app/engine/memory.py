@@ -212,6 +212,7 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         ("sorted_pairs", 4 * R * K),
         ("parts", 12 * R * K),
         ("n_parts", 4),
+        ("route_done", 4),  # the fused router's block counter (ext/gpu/ds4_gpu.h router_route)
         ("ex_gate", 4 * R * K * F),
         ("ex_up", 4 * R * K * F),
         ("ex_down", 4 * R * K * d),

@@ -39,6 +39,10 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
                                                           int32_t* out) except +
     void gpu_route "ds4::gpu::testing::route"(const float* logits, int n, int n_expert, int k, const float* bias,
                                               cbool norm, float scale, int32_t* ids, float* weights) except +
+    cbool gpu_router_route "ds4::gpu::testing::router_route"(
+        const TensorView& W, const float* X, int n, const int32_t* tid2eid, int64_t n_vocab, const int32_t* tokens,
+        const float* bias, int k, cbool norm, float scale, int max_part, int repeat, float* logits, int32_t* ids,
+        float* weights, int32_t* sorted, int32_t* parts, int32_t* n_parts) except +
     void gpu_hc_site "ds4::gpu::testing::hc_site"(float* X, int n, int64_t d, const float* Y, float* post, float* comb,
                                                   const TensorView& fn, const float* scale, const float* base,
                                                   int iters, float hc_eps, float norm_eps, const float* norm_w,
@@ -455,6 +459,57 @@ def _t_gpu_route(logits, bias, int k, norm=True, float scale=1.0):
     return ids, w
 
 
+def _t_gpu_router_route(int w_type, w_raw, X, bias, int k, tokens, tid2eid=None, norm=True, float scale=1.0,
+                        int max_part=8, int repeat=1):
+    """The fused router (ext/gpu/ds4_gpu.h router_route): w_raw the [d, E] router's bytes of ggml type
+    w_type, X [n, d], bias [E], tokens [n]; tid2eid [n_vocab, k] for a hash layer. Returns (logits
+    [n, E], ids [n, k], weights [n, k], sorted [n k], parts [n_parts, 3]) after `repeat` launches, or
+    None where the fused router does not take the shape."""
+    x = np.ascontiguousarray(X, dtype=np.float32)
+    if x.ndim != 2 or x.shape[0] == 0:
+        raise ValueError("X must be [n, d] with n > 0")
+    cdef int n = x.shape[0]
+    cdef int64_t d = x.shape[1]
+    b = np.ascontiguousarray(bias, dtype=np.float32).reshape(-1)
+    cdef int64_t e = b.shape[0]
+    tk = np.ascontiguousarray(tokens, dtype=np.int32).reshape(n)
+    keep = []
+    cdef TensorView W = _weights_view(w_type, w_raw, d, e, 1, keep)
+    t2 = None if tid2eid is None else np.ascontiguousarray(tid2eid, dtype=np.int32)
+    if t2 is not None and (t2.ndim != 2 or t2.shape[1] != k or int(tk.min()) < 0 or int(tk.max()) >= t2.shape[0]):
+        raise ValueError("tid2eid must be [n_vocab, k] and the tokens below n_vocab")
+    logits = np.zeros((n, e), dtype=np.float32)
+    ids = np.zeros((n, k), dtype=np.int32)
+    w = np.zeros((n, k), dtype=np.float32)
+    so = np.zeros(n * k, dtype=np.int32)
+    parts = np.zeros((n * k, 3), dtype=np.int32)
+    n_parts = np.zeros(1, dtype=np.int32)
+    cdef const float[:, ::1] xv = x
+    cdef const float[::1] bv = b
+    cdef const int32_t[::1] tv = tk
+    cdef const int32_t[:, ::1] t2v
+    cdef const int32_t* t2p = NULL
+    cdef int64_t n_vocab = 0
+    if t2 is not None:
+        t2v = t2
+        t2p = &t2v[0, 0]
+        n_vocab = t2.shape[0]
+    cdef float[:, ::1] lv = logits
+    cdef int32_t[:, ::1] iv = ids
+    cdef float[:, ::1] wv = w
+    cdef int32_t[::1] sv = so
+    cdef int32_t[:, ::1] pv = parts
+    cdef int32_t[::1] npv = n_parts
+    cdef cbool nm = bool(norm)
+    cdef cbool took
+    with nogil:
+        took = gpu_router_route(W, &xv[0, 0], n, t2p, n_vocab, &tv[0], &bv[0], k, nm, scale, max_part, repeat,
+                                &lv[0, 0], &iv[0, 0], &wv[0, 0], &sv[0], &pv[0, 0], &npv[0])
+    if not took:
+        return None
+    return logits, ids, w, so, parts[: int(n_parts[0])]
+
+
 def _t_gpu_hc_site(X, Y, post, comb, int fn_type, fn_raw, scale, base, int iters, float hc_eps, float norm_eps,
                    norm_w=None):
     """One fused mHC site (ext/gpu/step_ops.h hc_site, then hc_comb): X [n, 4, d]; Y [n, d] or None (no
@@ -546,4 +601,5 @@ _GPU_TESTING = dict(
     gpu_argmax=_t_gpu_argmax,
     gpu_route=_t_gpu_route,
     gpu_hc_site=_t_gpu_hc_site,
+    gpu_router_route=_t_gpu_router_route,
 )

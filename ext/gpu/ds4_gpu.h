@@ -74,6 +74,17 @@ void matvec_prepare();
 void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part, int32_t* sorted_pairs,
                         ExpertPart* parts, int32_t* n_parts, Stream stream);
 
+// The router's product, the route and the parts in one launch (pass 18, matvec.cu): the logits of
+// matvec(W, X), then route(...) and build_expert_parts(ids, n * k, ...) on them, the same bytes as
+// those three launches; the launch's last block to finish does the route and the parts. Takes W
+// F16/BF16/F32 with at most 256 rows (experts) and 1..8 lanes; elsewhere it returns false and
+// launches nothing (the caller runs the three). done: a device counter, zero before the first
+// launch; every launch leaves it zero.
+bool router_route(const TensorView& W, const float* X, int n, int64_t ldx, float* logits, bool hash,
+                  const int32_t* tid2eid, const int32_t* tokens, const float* bias, int k, bool norm, float scale,
+                  int32_t* ids, float* weights, int max_part, int32_t* sorted_pairs, ExpertPart* parts,
+                  int32_t* n_parts, uint32_t* done, Stream stream);
+
 // Expert-grouped product over a 3-D stack W [K, rows, n_expert]: for every pair p listed in the
 // parts, Y[p * ldy + r] = W[expert(p)][r] . X[x_row[p] * ldx] (x_row null: row p). max_parts
 // bounds *n_parts (the launch is sized for it, so a captured graph stays valid). max_cols: the
@@ -175,6 +186,13 @@ void qat_rows(int kind, float* X, int n_rows, int n);
 // bias [n_expert]; ids and weights [n][k] out.
 void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
            float* weights);
+// The fused router (router_route) on host arrays: W [d, E], X [n][d]; tid2eid [n_vocab][k] (a hash
+// layer's experts of tokens[n]) or null (the biased top-k, bias [E]); out: logits [n][E], ids and
+// weights [n][k], sorted [n k], parts [n k][3] (expert, first, count), n_parts [1]. Launches it
+// `repeat` times (each leaves its counter zero). False, writing nothing, where it does not take them.
+bool router_route(const TensorView& W, const float* X, int n, const int32_t* tid2eid, int64_t n_vocab,
+                  const int32_t* tokens, const float* bias, int k, bool norm, float scale, int max_part, int repeat,
+                  float* logits, int32_t* ids, float* weights, int32_t* sorted, int32_t* parts, int32_t* n_parts);
 // One fused mHC site (step_ops.h hc_site, then hc_comb; 4 streams) on host arrays: X [n][4][d] and post
 // [n][4], comb [n][4][4] in place; Y [n][d] the post's y (null: no post); fn the [24][4 d]
 // projection (F16, BF16 or F32); scale [3], base [24]; norm_w [d] or null; U [n][d] out.
@@ -216,6 +234,10 @@ inline void attention_sink(const float*, const uint16_t*, int64_t, const int32_t
 inline void argmax_rows(const float*, int, int64_t, int32_t*) { no_backend(); }
 inline void qat_rows(int, float*, int, int) { no_backend(); }
 inline void route(const float*, int, int, int, const float*, bool, float, int32_t*, float*) { no_backend(); }
+inline bool router_route(const TensorView&, const float*, int, const int32_t*, int64_t, const int32_t*, const float*,
+                         int, bool, float, int, int, float*, int32_t*, float*, int32_t*, int32_t*, int32_t*) {
+  no_backend();
+}
 inline void hc_site(float*, int, int64_t, const float*, float*, float*, const TensorView&, const float*, const float*,
                     int, float, float, const float*, float*) {
   no_backend();

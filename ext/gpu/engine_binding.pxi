@@ -38,6 +38,10 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool branches()
         void set_hc_fused(cbool on) except +
         cbool hc_fused()
+        void set_route_fused(cbool on) except +
+        cbool route_fused()
+        void set_attn_q_fused(cbool on) except +
+        cbool attn_q_fused()
         vector[int64_t] l2_prefetch_log() except +
         uint64_t l2_prefetch_window_bytes()
 
@@ -238,6 +242,26 @@ cdef class GpuEngine:
     @use_hc_fused.setter
     def use_hc_fused(self, on):
         self._get().set_hc_fused(bool(on))
+
+    @property
+    def use_route_fused(self):
+        """Whether the router's product, the route and the expert parts run as one launch where the
+        fused router takes them (default on, DS4_GPU_ROUTE_FUSED=0 off). The same bits."""
+        return bool(self._get().route_fused())
+
+    @use_route_fused.setter
+    def use_route_fused(self, on):
+        self._get().set_route_fused(bool(on))
+
+    @property
+    def use_attn_q_fused(self):
+        """Whether the attention's split kernel applies q's per-head RMSNorm and RoPE itself instead
+        of a q_heads launch before it (default on, DS4_GPU_ATTN_Q_FUSED=0 off). The same bits."""
+        return bool(self._get().attn_q_fused())
+
+    @use_attn_q_fused.setter
+    def use_attn_q_fused(self, on):
+        self._get().set_attn_q_fused(bool(on))
 
     @property
     def l2_prefetch_window_bytes(self):

@@ -150,6 +150,13 @@ void check_config(const ModelConfig& c, const EngineOptions& o) {
 
 }  // namespace
 
+// Where the pass-18 fusions run (measured on the H200, ext/gpu/README.md "Pass 18: outcome"): the
+// fused router up to 4 lanes, one route a warp of its last block (at 6-8 lanes it routes in two
+// rounds and measured 0 to -1% against the three launches); q_heads in the attention up to 2 lanes,
+// where the split blocks hold two heads (+1%; four heads a block at 4-8 lanes: within noise to -0.7%).
+constexpr int kRouteFusedMaxLanes = 4;
+constexpr int kAttnQFusedMaxLanes = 2;
+
 struct GpuEngine::Impl {
   Impl(const ModelConfig& c, const std::string& path, const std::vector<WeightEntry>& entries, const EngineOptions& o);
   ~Impl();
@@ -178,12 +185,22 @@ struct GpuEngine::Impl {
     int k = 0;
   } post_due;
   bool comb_due = false;  // the last site's comb awaits its Sinkhorn (run_comb_due)
+  // The fused router (set_route_fused): the router's product, the route and the parts in one launch
+  // where router_route takes them, for steps of at most kRouteFusedMaxLanes lanes; route_done is its
+  // block counter (zeroed once, left zero).
+  bool route_fused = false;
+  uint32_t* route_done = nullptr;
+  // q_heads inside the attention's split kernel (set_attn_q_fused; AttentionLaunch::q_raw), for
+  // steps of at most kAttnQFusedMaxLanes lanes.
+  bool attn_q_fused = false;
   uint8_t* hc_scratch = nullptr;  // hc_site's block sums
   // hc_site's post writes the streams apart from its input: x_hc and x_hc_next swap after each one
   // (launch_step starts every step on x_hc_base).
   float *x_hc_base = nullptr, *x_hc_next = nullptr;
   cudaStream_t side = nullptr;
   cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
+  cudaEvent_t mark_ev = nullptr;  // mark_side / wait_side_mark
+  bool mark_pending = false;
 
   DeviceMemory weights, rings, states, pages, inputs, arena;
   DeviceMemory mma_scratch;  // the tensor-core products' scratch (allocated once the switch is seen on)
@@ -234,7 +251,8 @@ struct GpuEngine::Impl {
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
   // least row width; the fused mHC sites).
   using GraphKey =
-      std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool>;
+      std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
+                 bool>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -308,6 +326,19 @@ struct GpuEngine::Impl {
     if (!side_pending) return;
     DS4_GPU_CHECK(cudaStreamWaitEvent(stream, join_ev, 0));
     side_pending = false;
+  }
+  // Inside an on_side function: marks the side work launched so far; wait_side_mark() (on the
+  // stream, after on_side returns) makes the stream wait for that part only. Without branching,
+  // nothing (the side work already ran in line).
+  void mark_side() {
+    if (!branching) return;
+    DS4_GPU_CHECK(cudaEventRecord(mark_ev, stream));
+    mark_pending = true;
+  }
+  void wait_side_mark() {
+    if (!mark_pending) return;
+    DS4_GPU_CHECK(cudaStreamWaitEvent(stream, mark_ev, 0));
+    mark_pending = false;
   }
   int staged_min() const { return staged ? staged_cols : kMatvecStagedOff; }
   void mv(const TensorView& W, const float* X, int ncols, int64_t ldx, float* Y, int64_t ldy) {
@@ -386,6 +417,8 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
   branches = env_flag("DS4_GPU_BRANCHES", true);
   hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
+  route_fused = env_flag("DS4_GPU_ROUTE_FUSED", true);
+  attn_q_fused = env_flag("DS4_GPU_ATTN_Q_FUSED", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
     char* end = nullptr;
@@ -399,6 +432,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   DS4_GPU_CHECK(cudaStreamCreate(&stream));
   DS4_GPU_CHECK(cudaStreamCreate(&side));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
+  DS4_GPU_CHECK(cudaEventCreateWithFlags(&mark_ev, cudaEventDisableTiming));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
@@ -462,6 +496,7 @@ GpuEngine::Impl::~Impl() {
   for (auto& g : graph_cache) (void)cudaGraphExecDestroy(g.second);
   for (cudaEvent_t e : piece_done) (void)cudaEventDestroy(e);
   if (fork_ev) (void)cudaEventDestroy(fork_ev);
+  if (mark_ev) (void)cudaEventDestroy(mark_ev);
   if (join_ev) (void)cudaEventDestroy(join_ev);
   if (side) (void)cudaStreamDestroy(side);
   if (stream) (void)cudaStreamDestroy(stream);
@@ -565,6 +600,7 @@ void GpuEngine::Impl::carve_scratch() {
       {reinterpret_cast<void**>(&sorted_pairs), 4 * R * K},
       {reinterpret_cast<void**>(&parts), 12 * R * K},
       {reinterpret_cast<void**>(&n_parts), 4},
+      {reinterpret_cast<void**>(&route_done), 4},
       {reinterpret_cast<void**>(&ex_gate), 4 * R * K * F},
       {reinterpret_cast<void**>(&ex_up), 4 * R * K * F},
       {reinterpret_cast<void**>(&ex_down), 4 * R * K * d},
@@ -597,6 +633,7 @@ void GpuEngine::Impl::carve_scratch() {
     *p.ptr = arena.data() + off;
     off += padded(p.bytes);
   }
+  DS4_GPU_CHECK(cudaMemset(route_done, 0, 4));  // the fused router's counter starts at zero
   // Constants: the pair -> lane map of the grouped expert products, and the RoPE tables.
   std::vector<int32_t> pr(static_cast<size_t>(R * K));
   for (int64_t p = 0; p < R * K; ++p) pr[p] = static_cast<int32_t>(p / K);
@@ -889,7 +926,8 @@ void GpuEngine::Impl::attention_layer(int l) {
   // The attention stretch below reads little; the output projection after it (wo_a, wo_b) is the
   // layer's largest dense read.
   prefetch_window(kPrefetchAttn, l, {&L.wo_a, &L.wo_b});
-  q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
+  const bool q_in_attention = attn_q_fused && n <= kAttnQFusedMaxLanes;
+  if (!q_in_attention) q_heads(q, n, static_cast<int>(nh), static_cast<int>(hd), rd, eps, lanes.pos, freqs(l), stream);
   if (L.ratio == 4) {
     // Head weights are scaled by 1/sqrt(index_head_dim * index_n_heads) (spec §4.5).
     const float w_scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(ihd * inh)));
@@ -942,6 +980,8 @@ void GpuEngine::Impl::attention_layer(int l) {
   at.inv_freq = freqs(l);
   at.max_keys = max_keys;
   at.part = attn_part;
+  at.q_raw = q_in_attention;  // the split blocks do q_heads' work (skipped above)
+  at.q_eps = eps;
   // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
   // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
   // The G groups run as one batched launch (each group's rows as its own launch computes them),
@@ -980,6 +1020,7 @@ void GpuEngine::Impl::ffn_layer(int l) {
     on_side([&] {
       MatvecProduct gu[2] = {{L.gate_sh, sh_gate, F}, {L.up_sh, sh_up, F}};
       mvm(gu, 2, u, d);
+      mark_side();  // the routed gate/up starts after this (wait_side_mark below)
       swiglu(sh_gate, sh_up, n, F, cfg.swiglu_clamp_shexp[l], stream, planes_out(planes_b), planes_ld(F));
       give_planes(1, sh_gate, F, n, planes_b);
       mv(L.down_sh, sh_gate, n, F, sh_down, d);
@@ -989,13 +1030,24 @@ void GpuEngine::Impl::ffn_layer(int l) {
   } else {
     on_side([&] { run_comb_due(); });
   }
-  mv(L.gate_inp, u, n, d, router, E);
-  route(router, n, E, K, l < cfg.n_hash_layers, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
-        cfg.expert_weights_scale, sel_id, sel_w, stream);
   // Every (lane, selection) pair runs its expert as one column of the expert's grouped product:
-  // single-column arithmetic, whatever else the expert serves.
+  // single-column arithmetic, whatever else the expert serves. The router's product, the route and
+  // the parts: one launch where router_route takes them (the same bytes), else three.
   const int n_pairs = n * K;
-  build_expert_parts(sel_id, n_pairs, E, kExpertPart, sorted_pairs, parts, n_parts, stream);
+  const bool hash = l < cfg.n_hash_layers;
+  if (!route_fused || n > kRouteFusedMaxLanes || matvec_uses_mma(L.gate_inp) ||
+      !router_route(L.gate_inp, u, n, d, router, hash, L.tid2eid, lanes.token, L.exp_bias, K,
+                    cfg.expert_weights_norm, cfg.expert_weights_scale, sel_id, sel_w, kExpertPart, sorted_pairs,
+                    parts, n_parts, route_done, stream)) {
+    mv(L.gate_inp, u, n, d, router, E);
+    route(router, n, E, K, hash, L.tid2eid, lanes.token, L.exp_bias, cfg.expert_weights_norm,
+          cfg.expert_weights_scale, sel_id, sel_w, stream);
+    build_expert_parts(sel_id, n_pairs, E, kExpertPart, sorted_pairs, parts, n_parts, stream);
+  }
+  // The routed gate/up after the shared expert's gate/up: beside it, the two contend for the SMs
+  // (pass 18, call 1: the routed pair took 35 instead of 26 us once the fused router's shorter
+  // route left the shared product no gap to fill); the shared SwiGLU and down still run beside it.
+  wait_side_mark();
   // A part holds at most one pair per lane (routes are distinct per lane), so n lanes bound its
   // width: the kernel is sized for that (wider parts would still run, in pieces).
   const int part_cols = std::min<int>(n, kExpertPart);
@@ -1062,6 +1114,7 @@ void GpuEngine::Impl::launch_step() {
   drop_planes(1);
   post_due = PostDue{};
   comb_due = false;
+  mark_pending = false;
   if (x_hc_base == nullptr) x_hc_base = x_hc;
   x_hc_next = x_hc == x_hc_base ? x_hc_next : x_hc;
   x_hc = x_hc_base;
@@ -1083,7 +1136,7 @@ void GpuEngine::Impl::run_graph() {
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
-                     hc_fused};
+                     hc_fused, route_fused, attn_q_fused};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1208,6 +1261,10 @@ void GpuEngine::set_branches(bool on) { impl_->branches = on; }
 bool GpuEngine::branches() const { return impl_->branches; }
 void GpuEngine::set_hc_fused(bool on) { impl_->hc_fused = on; }
 bool GpuEngine::hc_fused() const { return impl_->hc_fused; }
+void GpuEngine::set_route_fused(bool on) { impl_->route_fused = on; }
+bool GpuEngine::route_fused() const { return impl_->route_fused; }
+void GpuEngine::set_attn_q_fused(bool on) { impl_->attn_q_fused = on; }
+bool GpuEngine::attn_q_fused() const { return impl_->attn_q_fused; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }
 uint64_t GpuEngine::l2_prefetch_window_bytes() const { return impl_->prefetch_cap; }
 

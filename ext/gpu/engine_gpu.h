@@ -115,6 +115,18 @@ class GpuEngine {
   // Part of the graph key.
   void set_hc_fused(bool on);
   bool hc_fused() const;
+  // The fused router (pass 18, ds4_gpu.h router_route): the router's product, the route and the
+  // expert parts in one launch instead of three where it takes them (1..8 lanes, F16/BF16/F32
+  // router, at most 256 experts, the tensor cores off for it). The same bits. Default: on;
+  // DS4_GPU_ROUTE_FUSED=0 turns it off. Part of the graph key.
+  void set_route_fused(bool on);
+  bool route_fused() const;
+  // q_heads inside the attention (pass 18, step_ops.h AttentionLaunch::q_raw): each split block
+  // applies the per-head RMSNorm and RoPE to its heads of q in shared memory, instead of a q_heads
+  // launch before the attention. The same bits. Default: on; DS4_GPU_ATTN_Q_FUSED=0 turns it off.
+  // Part of the graph key.
+  void set_attn_q_fused(bool on);
+  bool attn_q_fused() const;
   // What the last step that launched its kernels (eager, or a graph capture) asked L2 for: four
   // numbers a range, (window, layer, file offset, bytes); windows 0 = the attention prologue of
   // `layer` (its mHC weights, the u products, q_b), 1 = its attention (wo_a, wo_b), 2 = its FFN
@@ -163,6 +175,10 @@ class GpuEngine {
   bool branches() const { return false; }
   void set_hc_fused(bool) { throw std::runtime_error("no GPU backend"); }
   bool hc_fused() const { return false; }
+  void set_route_fused(bool) { throw std::runtime_error("no GPU backend"); }
+  bool route_fused() const { return false; }
+  void set_attn_q_fused(bool) { throw std::runtime_error("no GPU backend"); }
+  bool attn_q_fused() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }
   uint64_t l2_prefetch_window_bytes() const { return 0; }
 };

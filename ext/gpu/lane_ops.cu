@@ -28,6 +28,7 @@
 //                    mask a lane marks its taken ones), weights in selection order. Bytes: 4 E per
 //                    lane. (Scoring every expert in every pass: 8 us a call; the scores in shared
 //                    memory and each candidate checked against the chosen ones: 24 us, pass 16.)
+//                    The body is routing.cuh route_lane, which the fused router (matvec.cu) runs too.
 // swiglu             grid-stride over rows x width. Bytes: 12 per element.
 // moe_value          (no launch of its own) the MoE output, hc_post_moe's y: the weighted expert sum
 //                    in selection order, plus the shared expert.
@@ -36,6 +37,7 @@
 
 #include "launch.cuh"
 #include "matvec.cuh"  // the ggml type ids kF32, kF16, kBF16
+#include "routing.cuh"
 #include "rowops.cuh"
 #include "step_ops.h"
 
@@ -558,86 +560,14 @@ __global__ void __launch_bounds__(kRowThreads)
   }
 }
 
-// Does (va, ea) beat (vb, eb)? Larger value, then the lower expert id (the CPU's '>' scan).
-__device__ __forceinline__ bool route_better(float va, int ea, float vb, int eb) {
-  if (eb < 0) return ea >= 0;
-  if (ea < 0) return false;
-  return va > vb || (va == vb && ea < eb);
-}
-
-// Each expert's score sqrt(softplus(logit)) + bias is computed once, into registers: lane l holds
-// experts l, l + 32, ... (R of them, R * 32 >= n_expert). Then K arg-max passes: each lane takes
-// the best of its experts not yet chosen (in increasing id order, a strict '>' keeping the earlier),
-// the butterfly picks the warp's best (ties to the lower id), and the lane owning it marks it taken
-// in its bit mask. The chosen experts' weights are computed by one lane each and summed by lane 0 in
-// selection order. (Until pass 16 the scores sat in shared memory and each pass checked every
-// candidate against the experts chosen so far: the same comparisons in the same order, but 24 us
-// of a C=1 step's critical path for 256 experts against 4 us for a hash-routed layer.)
+// One warp a lane (routing.cuh route_lane); a hash layer reads its experts before the grid wait.
 template <int R>
-__global__ void __launch_bounds__(DS4_WARP)
-    route_kernel(const float* __restrict__ logits, int n_expert, int k_used, int hash,
-                 const int32_t* __restrict__ tid2eid, const int32_t* __restrict__ tokens,
-                 const float* __restrict__ bias, int norm, float wscale, int32_t* __restrict__ ids,
-                 float* __restrict__ weights) {
-  __shared__ int32_t chosen[kMaxExpertUsed];
-  __shared__ float w_s[kMaxExpertUsed];
-  __shared__ float den_s;
-  const int i = static_cast<int>(blockIdx.x), lane = static_cast<int>(threadIdx.x);
-  const float* lg = logits + static_cast<int64_t>(i) * n_expert;
-  // The hash route's experts before the grid wait: the step's tokens were on the device before its
-  // first kernel (and every kernel but the one before this has completed), tid2eid is a weight.
-  if (hash)
-    for (int k = lane; k < k_used; k += DS4_WARP) chosen[k] = tid2eid[static_cast<int64_t>(tokens[i]) * k_used + k];
+__global__ void __launch_bounds__(DS4_WARP) route_kernel(const float* __restrict__ logits, const RouteArgs a) {
+  __shared__ RouteShared sh;
+  const int i = static_cast<int>(blockIdx.x);
+  if (a.hash) route_hash_ids(a, i, sh);
   ds4_grid_begin();
-  if (!hash) {
-    float score[R];
-#pragma unroll
-    for (int j = 0; j < R; ++j) {
-      const int e = lane + DS4_WARP * j;
-      score[j] = e < n_expert ? sqrtf(softplus_dev(lg[e])) + bias[e] : 0.0f;
-    }
-    uint32_t taken[(R + 31) / 32] = {};  // bit j % 32 of word j / 32: expert lane + 32 j is chosen
-    for (int k = 0; k < k_used; ++k) {
-      float bv = 0.0f;
-      int be = -1;
-#pragma unroll
-      for (int j = 0; j < R; ++j) {
-        const int e = lane + DS4_WARP * j;
-        if (e < n_expert && !((taken[j / 32] >> (j % 32)) & 1u) && (be < 0 || score[j] > bv)) {
-          bv = score[j];
-          be = e;
-        }
-      }
-#pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) {
-        const float ov = ds4_shfl_xor(bv, m);
-        const int oe = ds4_shfl_xor(be, m);
-        if (route_better(ov, oe, bv, be)) {
-          bv = ov;
-          be = oe;
-        }
-      }
-      if (be >= 0 && be % DS4_WARP == lane) {
-#pragma unroll
-        for (int j = 0; j < R; ++j)
-          if (be / DS4_WARP == j) taken[j / 32] |= 1u << (j % 32);
-      }
-      if (lane == 0) chosen[k] = be;
-    }
-  }
-  __syncthreads();
-  for (int k = lane; k < k_used; k += DS4_WARP) w_s[k] = sqrtf(softplus_dev(lg[chosen[k]]));
-  __syncthreads();
-  if (lane == 0) {
-    float sum = 0.0f;
-    for (int k = 0; k < k_used; ++k) sum += w_s[k];
-    den_s = norm ? fmaxf(sum, 6.103515625e-5f) : 1.0f;
-  }
-  __syncthreads();
-  for (int k = lane; k < k_used; k += DS4_WARP) {
-    ids[i * k_used + k] = chosen[k];
-    weights[i * k_used + k] = w_s[k] / den_s * wscale;
-  }
+  route_lane<R>(a, i, logits + static_cast<int64_t>(i) * a.n_expert, sh);
 }
 
 __device__ __forceinline__ float swiglu_one(float gv, float uv, float limit) {
@@ -887,12 +817,8 @@ void add_ape(float* Z, int64_t ldz, int n, int64_t width, const TensorView& ape,
 void route(const float* logits, int n, int n_expert, int k, bool hash, const int32_t* tid2eid, const int32_t* tokens,
            const float* bias, bool norm, float scale, int32_t* ids, float* weights, Stream s) {
   if (n <= 0) return;
-  if (k < 1 || k > kMaxExpertUsed) throw std::invalid_argument("GPU route: n_expert_used must be 1..32");
-  if (n_expert < 1 || n_expert > 4096) throw std::invalid_argument("GPU route: n_expert must be 1..4096");
-  auto go = [&](auto kernel) {
-    launch(kernel, n, DS4_WARP, 0, cs(s), logits, n_expert, k, hash ? 1 : 0, tid2eid, tokens, bias, norm ? 1 : 0,
-           scale, ids, weights);
-  };
+  const RouteArgs a = route_args(n_expert, k, hash, tid2eid, tokens, bias, norm, scale, ids, weights);
+  auto go = [&](auto kernel) { launch(kernel, n, DS4_WARP, 0, cs(s), logits, a); };
   if (n_expert <= 8 * DS4_WARP) go(route_kernel<8>);  // DS4's 256 experts: 8 a lane
   else if (n_expert <= 32 * DS4_WARP) go(route_kernel<32>);
   else go(route_kernel<128>);

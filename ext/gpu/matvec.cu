@@ -16,6 +16,7 @@
 #include <map>
 #include <mutex>
 #include <string>
+#include <tuple>
 #include <type_traits>
 #include <utility>
 
@@ -25,6 +26,7 @@
 #include "matvec.cuh"
 #include "matvec_fused.h"
 #include "mma_matvec.cuh"
+#include "routing.cuh"
 
 namespace ds4::gpu {
 
@@ -573,13 +575,15 @@ void launch_grouped_own_ks(bool fast, const TensorView& W, int64_t units, const 
                            const float* X, int64_t ldx, float* Y, int64_t ldy, cudaStream_t s, GroupedPlanes gp) {
   const int64_t rows = W.ne[1];
   const int stages = grouped_stages_now();
-  // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
-  const int groups = grouped_own_groups(rows, grouped_own_block_rows(MAXC, false), max_parts);
-  const int64_t block_rows = grouped_own_block_rows(MAXC, false) * static_cast<int64_t>(groups);
-  const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   auto go = [&](auto kernel) {
+    // Every sub-part width covers a block's rows (grouped_own_nc), so no block is idle.
+    const int groups =
+        grouped_own_groups(rows, grouped_own_block_rows(MAXC, false), max_parts,
+                           device_resident_blocks(reinterpret_cast<const void*>(kernel), kMatvecThreads, smem));
+    const int64_t block_rows = grouped_own_block_rows(MAXC, false) * static_cast<int64_t>(groups);
+    const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
     launch(kernel, grid, kMatvecThreads, smem, s, W.data, nullptr, W.row_bytes() * rows, W.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, GroupedStore{Y},
            ldy, stages, groups, gp.data, gp.ldp);
@@ -665,62 +669,85 @@ __global__ void __launch_bounds__(kPartsThreads)
     build_parts_kernel(const int32_t* __restrict__ pair_expert, int n_pairs, int n_expert, int max_part,
                        int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts, int32_t* __restrict__ n_parts) {
   ds4_grid_begin();
-  extern __shared__ int32_t sm[];
-  int32_t* cnt = sm;                  // [n_expert] pairs per expert
-  int32_t* less = sm + n_expert;      // [n_expert] pairs with a smaller expert
-  int32_t* pbefore = less + n_expert;  // [n_expert] parts of smaller experts
-  __shared__ int32_t run_pairs[kPartsThreads], run_parts[kPartsThreads];
-  const int t = static_cast<int>(threadIdx.x);
-  for (int e = t; e < n_expert; e += kPartsThreads) cnt[e] = 0;
+  extern __shared__ int32_t parts_sm[];
+  build_parts_block<kPartsThreads>(pair_expert, n_pairs, n_expert, max_part, sorted, parts, n_parts, parts_sm);
+}
+
+// --- the fused router (pass 18) -----------------------------------------------------------------
+//
+// Why: at one lane the route ended ~8 us after the router's product and the parts ~3 us after that
+// (pass 17's timeline), each mostly its launch, grid wait and first loads. Here the product's blocks
+// are matvec_dense_kernel's one-row-a-warp blocks (the same matvec_blocks call, so the logits' bits),
+// then each block fences its logits and counts itself done; the last one (the counter's final
+// value) routes every lane, a warp a lane (route_lane, reading the logits from L2), and builds the
+// parts with all its threads (build_parts_block): the bytes route_kernel and build_parts_kernel
+// write. It resets the counter for the next launch.
+constexpr int kRouterMaxCols = 8;
+constexpr int kRouterMaxExperts = 8 * DS4_WARP;  // route_lane<8>
+
+template <int T, int NC>
+__global__ void __launch_bounds__(kMatvecThreads)
+    router_route_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
+                        const float* __restrict__ X, int64_t ldx, float* Y, bool chunked, const RouteArgs ra, int n,
+                        int max_part, int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts,
+                        int32_t* __restrict__ n_parts, uint32_t* __restrict__ done) {
+  constexpr int R = 1, S = chunk_stages<T>(R, kMatvecWarps);
+  __shared__ float part[kMatvecWarps * R * NC];
+  __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];
+  __shared__ RouteShared rsh[kMatvecWarps];
+  __shared__ bool last;
+  extern __shared__ int32_t router_parts_sm[];
+  const int64_t br = kMatvecWarps / ks;
+  matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
+                             GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{rows}, part, chunked, wbuf);
+  __threadfence();  // this block's logits, before it counts itself done
   __syncthreads();
-  for (int p = t; p < n_pairs; p += kPartsThreads) {
-    const int e = pair_expert[p];
-    if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
-  }
+  if (threadIdx.x == 0) last = atomicAdd(done, 1u) == gridDim.x - 1;
   __syncthreads();
-  // Exclusive prefix sums of the pair and part counts over the experts: each thread sums its own
-  // run of experts, a scan over the threads' totals (integers: exact in any order) gives each run's
-  // start, and the thread walks its run again writing the starts.
-  const int per = (n_expert + kPartsThreads - 1) / kPartsThreads;
-  const int e0 = t * per, e1 = min(n_expert, e0 + per);
-  int32_t my_pairs = 0, my_parts = 0;
-  for (int e = e0; e < e1; ++e) {
-    my_pairs += cnt[e];
-    my_parts += (cnt[e] + max_part - 1) / max_part;
+  if (!last) return;
+  __threadfence();  // every block's logits, after their count
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+  for (int i = warp; i < n; i += kMatvecWarps) {
+    ds4_syncwarp();  // the warp's last lane is done with rsh (route_lane's outputs)
+    if (ra.hash) route_hash_ids(ra, i, rsh[warp]);
+    route_lane<8>(ra, i, Y + static_cast<int64_t>(i) * rows, rsh[warp]);
   }
-  run_pairs[t] = my_pairs;
-  run_parts[t] = my_parts;
-  __syncthreads();
-  for (int off = 1; off < kPartsThreads; off <<= 1) {
-    const int32_t a = t >= off ? run_pairs[t - off] : 0, b = t >= off ? run_parts[t - off] : 0;
-    __syncthreads();
-    run_pairs[t] += a;
-    run_parts[t] += b;
-    __syncthreads();
-  }
-  int32_t below = run_pairs[t] - my_pairs, pb = run_parts[t] - my_parts;
-  for (int e = e0; e < e1; ++e) {
-    less[e] = below;
-    pbefore[e] = pb;
-    below += cnt[e];
-    pb += (cnt[e] + max_part - 1) / max_part;
-  }
-  if (t == kPartsThreads - 1) *n_parts = run_parts[t];
-  __syncthreads();
-  for (int p = t; p < n_pairs; p += kPartsThreads) {
-    const int e = pair_expert[p];
-    if (e < 0 || e >= n_expert) continue;  // an invalid route is left out of every part
-    int before = 0;
-    for (int q = 0; q < p; ++q) before += pair_expert[q] == e;
-    const int rank = less[e] + before;
-    sorted[rank] = p;
-    if (before % max_part == 0) {
-      ExpertPartDev pt;
-      pt.expert = e;
-      pt.first = rank;
-      pt.count = min(max_part, cnt[e] - before);
-      parts[pbefore[e] + before / max_part] = pt;
-    }
+  __syncthreads();  // the ids, for every thread's parts
+  build_parts_block<kMatvecThreads>(ra.ids, n * ra.k_used, ra.n_expert, max_part, sorted, parts, n_parts,
+                                    router_parts_sm);
+  if (threadIdx.x == 0) *done = 0u;
+}
+
+template <int T, int NC>
+void launch_router_route(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y,
+                         const RouteArgs& ra, int n, int max_part, int32_t* sorted, ExpertPartDev* parts,
+                         int32_t* n_parts, uint32_t* done, cudaStream_t s) {
+  const int64_t rows = W.ne[1];
+  const int ks = matvec_kslices(rows, units);
+  const int64_t br = kMatvecWarps / ks;
+  const unsigned grid = static_cast<unsigned>((rows + br - 1) / br);
+  const size_t smem = static_cast<size_t>(build_parts_smem(ra.n_expert, kMatvecThreads));
+  launch(router_route_kernel<T, NC>, grid, kMatvecThreads, smem, s, W.data, W.row_bytes(), rows, units, ks, X, ldx, Y,
+         use_chunks<T>(W, units), ra, n, max_part, sorted, parts, n_parts, done);
+}
+
+template <int T>
+void launch_router_route_nc(const TensorView& W, int64_t units, const float* X, int64_t ldx, float* Y,
+                            const RouteArgs& ra, int n, int max_part, int32_t* sorted, ExpertPartDev* parts,
+                            int32_t* n_parts, uint32_t* done, cudaStream_t s) {
+  auto go = [&](auto nc) {
+    launch_router_route<T, decltype(nc)::value>(W, units, X, ldx, Y, ra, n, max_part, sorted, parts, n_parts, done,
+                                                 s);
+  };
+  switch (n) {
+    case 1: go(std::integral_constant<int, 1>{}); break;
+    case 2: go(std::integral_constant<int, 2>{}); break;
+    case 3: go(std::integral_constant<int, 3>{}); break;
+    case 4: go(std::integral_constant<int, 4>{}); break;
+    case 5: go(std::integral_constant<int, 5>{}); break;
+    case 6: go(std::integral_constant<int, 6>{}); break;
+    case 7: go(std::integral_constant<int, 7>{}); break;
+    default: go(std::integral_constant<int, 8>{}); break;
   }
 }
 
@@ -992,10 +1019,38 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   if (max_part < 1 || max_part > kMaxPartCols) throw std::invalid_argument("build_expert_parts: max_part must be 1..8");
   if (n_pairs < 0 || n_expert < 1 || n_expert > 4096)
     throw std::invalid_argument("build_expert_parts: need n_pairs >= 0 and 1..4096 experts");
-  const size_t smem = 3 * static_cast<size_t>(n_expert) * sizeof(int32_t);
+  const size_t smem = static_cast<size_t>(build_parts_smem(n_expert, kPartsThreads));
   launch(build_parts_kernel, 1, kPartsThreads, smem, static_cast<cudaStream_t>(stream),
       pair_expert, n_pairs, n_expert, max_part, sorted_pairs, reinterpret_cast<ExpertPartDev*>(parts), n_parts);
   DS4_GPU_CHECK_LAUNCH("build_parts_kernel");
+}
+
+bool router_route(const TensorView& W, const float* X, int n, int64_t ldx, float* logits, bool hash,
+                  const int32_t* tid2eid, const int32_t* tokens, const float* bias, int k, bool norm, float scale,
+                  int32_t* ids, float* weights, int max_part, int32_t* sorted_pairs, ExpertPart* parts,
+                  int32_t* n_parts, uint32_t* done, Stream stream) {
+  const int64_t rows = W.ne[1];
+  if (n < 1 || n > kRouterMaxCols || rows < 1 || rows > kRouterMaxExperts) return false;
+  if (W.type != DType::F16 && W.type != DType::BF16 && W.type != DType::F32) return false;
+  if (max_part < 1 || max_part > kMaxPartCols) throw std::invalid_argument("router_route: max_part must be 1..8");
+  const int64_t units = check_weights(W, "GPU router");
+  check_activations(X, ldx, "GPU router");
+  const RouteArgs ra = route_args(static_cast<int>(rows), k, hash, tid2eid, tokens, bias, norm, scale, ids, weights);
+  auto* pd = reinterpret_cast<ExpertPartDev*>(parts);
+  const auto s = static_cast<cudaStream_t>(stream);
+  switch (W.type) {
+    case DType::F16:
+      launch_router_route_nc<kF16>(W, units, X, ldx, logits, ra, n, max_part, sorted_pairs, pd, n_parts, done, s);
+      break;
+    case DType::BF16:
+      launch_router_route_nc<kBF16>(W, units, X, ldx, logits, ra, n, max_part, sorted_pairs, pd, n_parts, done, s);
+      break;
+    default:
+      launch_router_route_nc<kF32>(W, units, X, ldx, logits, ra, n, max_part, sorted_pairs, pd, n_parts, done, s);
+      break;
+  }
+  DS4_GPU_CHECK_LAUNCH("router_route_kernel");
+  return true;
 }
 
 void set_matvec_chunked(bool on) { g_chunked.store(on ? 1 : 0, std::memory_order_relaxed); }
@@ -1094,12 +1149,31 @@ void set_matvec_grouped_groups(int groups) {
   g_grouped_groups.store(groups, std::memory_order_relaxed);
 }
 
-int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts) {
+int64_t device_resident_blocks(const void* fn, int threads, size_t smem) {
+  static std::mutex m;
+  static std::map<std::tuple<const void*, int, size_t>, int64_t> known;
+  const std::lock_guard<std::mutex> lock(m);
+  const auto key = std::make_tuple(fn, threads, smem);
+  if (auto it = known.find(key); it != known.end()) return it->second;
+  int per_sm = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, fn, threads, smem) != cudaSuccess) {
+    (void)cudaGetLastError();
+    per_sm = 0;
+  }
+  return known[key] = static_cast<int64_t>(per_sm) * std::max(device_sms(), 1);
+}
+
+int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts, int64_t resident) {
   const int set = grouped_groups_now();
   if (set > 0) return set;
-  // Chosen per launch: 4 row groups a warp, halved while the launch would have fewer than 4 blocks
-  // an SM (pass 14, flash-l4 on the H200, 4-column body: 4 gave C = 2-8 +4-10%; at C=1, 6 parts, 4
-  // left SMs short of warps, -1%, and 2 matched 1).
+  // Chosen per launch. First, the fewest row groups (up to 4) whose grid fits in one wave of
+  // resident blocks: every warp starts at once and no second, partial wave trails the first (pass
+  // 18, flash-l4 at C=1, 6 parts: 3 groups, 516 blocks of the 660 that fit, against 2 groups' 768
+  // blocks in 1.16 waves: +2.6%).
+  for (int g = 1; g <= 4 && resident > 0; ++g)
+    if ((rows + g * block_rows - 1) / (g * block_rows) * max_parts <= resident) return g;
+  // Else 4 row groups a warp, halved while the launch would have fewer than 4 blocks an SM (pass
+  // 14, flash-l4 on the H200, 4-column body: 4 gave C = 2-8 +4-10%).
   const int64_t blocks = (rows + block_rows - 1) / block_rows * max_parts;
   const int64_t least = 4 * static_cast<int64_t>(std::max(device_sms(), 1));
   int g = 4;

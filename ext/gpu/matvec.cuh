@@ -909,8 +909,12 @@ constexpr int kGroupedMaxGroups = 16;
 void set_matvec_grouped_groups(int groups);
 int matvec_grouped_groups();  // the setting (0: per launch)
 // The row groups a launch of the own kernel over `rows` rows of max_parts parts takes, its blocks
-// covering block_rows rows each with one (grouped_own_block_rows).
-int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts);
+// covering block_rows rows each with one (grouped_own_block_rows); resident: the kernel's blocks
+// the device holds at once (0: unknown).
+int grouped_own_groups(int64_t rows, int64_t block_rows, int max_parts, int64_t resident);
+// Blocks of kernel fn (threads a block, smem bytes of dynamic shared memory) the whole device holds
+// at once; 0 where the runtime cannot say. Asked once per (fn, threads, smem).
+int64_t device_resident_blocks(const void* fn, int threads, size_t smem);
 
 // The (d*sc, dmin*m) pairs of the two sub-blocks of unit position c (0..3) of a Q4_K block whose
 // first 16 bytes are the words dd, s0, s1, s2: sub-blocks 2c and 2c + 1 use bytes 2 (c & 1) and

@@ -212,13 +212,15 @@ bool launch_pair_maxc(const TensorView& Wg, const TensorView& Wu, int64_t units,
                       const PlanesLease& planes) {
   const int64_t rows = Wg.ne[1];
   const int stages = matvec_grouped_stages();
-  const int groups = grouped_own_groups(rows, grouped_own_block_rows(MAXC, true), max_parts);
-  const int64_t block_rows = grouped_own_block_rows(MAXC, true) * static_cast<int64_t>(groups);
-  const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
   const size_t smem = static_cast<size_t>(grouped_own_smem(MAXC, stages));
   const auto* pd = reinterpret_cast<const ExpertPartDev*>(parts);
   const int64_t expert_bytes = Wg.row_bytes() * rows;
   auto go = [&](auto kernel) {
+    const int groups =
+        grouped_own_groups(rows, grouped_own_block_rows(MAXC, true), max_parts,
+                           device_resident_blocks(reinterpret_cast<const void*>(kernel), kMatvecThreads, smem));
+    const int64_t block_rows = grouped_own_block_rows(MAXC, true) * static_cast<int64_t>(groups);
+    const dim3 grid(static_cast<unsigned>((rows + block_rows - 1) / block_rows), static_cast<unsigned>(max_parts));
     launch(kernel, grid, kMatvecThreads, smem, s, Wg.data, Wu.data, expert_bytes, Wg.row_bytes(),
            static_cast<int>(rows), static_cast<int>(units), pd, n_parts, sorted_pairs, x_row, X, ldx, store, ldy,
            stages, groups, planes.data, planes.ldp);

@@ -446,6 +446,16 @@ __device__ __forceinline__ const uint16_t* key_row(const AttentionLaunch& a, con
          ((start % kPage) / a.ratio) * hd;
 }
 
+// The split kernel's dynamic shared memory: cap key-row pointers, HB x cap logits, then (q_raw) the
+// group's HB query rows, 16-byte aligned.
+__host__ __device__ inline size_t attn_split_smem(int cap, int hb, int head_dim, bool q_raw) {
+  const size_t keys = static_cast<size_t>(cap) * (sizeof(void*) + hb * sizeof(float));
+  return q_raw ? (keys + 15) / 16 * 16 + static_cast<size_t>(hb) * head_dim * sizeof(float) : keys;
+}
+__device__ inline float* attn_q_shared(unsigned char* smem, int cap, int hb) {
+  return reinterpret_cast<float*>(smem + attn_split_smem(cap, hb, 0, true));
+}
+
 // grid (head groups, splits bound, lanes): one split of one lane for HB heads (rowops.cuh).
 template <int HB>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttentionLaunch a, StepLanes L, int cap) {
@@ -461,9 +471,33 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
   for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads) kp[j] = key_row(a, L, k, li, j0 + j);
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(a.head_dim)));
   const int64_t head = static_cast<int64_t>(li) * a.n_head + h0;
-  attn_split_block<HB>(kp, nk, lg, cap, a.q + head * a.head_dim, a.head_dim, nh, scale,
-                       a.part + (head * kAttnMaxSplits + c) * a.head_dim,
-                       a.part_stats + (head * kAttnMaxSplits + c) * 2);
+  const float* q = a.q + head * a.head_dim;
+  float* part = a.part + (head * kAttnMaxSplits + c) * a.head_dim;
+  float* stats = a.part_stats + (head * kAttnMaxSplits + c) * 2;
+  if (!a.q_raw) {
+    attn_split_block<HB>(kp, nk, lg, cap, q, a.head_dim, nh, scale, part, stats);
+    return;
+  }
+  // q_heads_kernel's work on a copy of the group's heads, all heads at once: rms_factors (each r
+  // with rms_factor's bits), then scale_row's and rope_block's arithmetic element by element (the
+  // same bits), a barrier each; then the split reads q from there.
+  static_assert(kAttnThreads == kRowThreads, "q_heads' reductions are written for its 256 threads");
+  __shared__ double red[HB][kRowWarps];
+  float* qs = attn_q_shared(smem, cap, HB);  // [HB][head_dim]
+  const int hd = a.head_dim, half = a.rope_dim / 2, elems = nh * hd;
+  for (int e = static_cast<int>(threadIdx.x); e < elems; e += kAttnThreads) qs[e] = q[e];
+  __syncthreads();
+  float r[HB];
+  rms_factors<HB>(qs, hd, nh, a.q_eps, red, r);
+#pragma unroll
+  for (int h = 0; h < HB; ++h)
+    if (h < nh)
+      for (int e = static_cast<int>(threadIdx.x); e < hd; e += kAttnThreads) qs[h * hd + e] = qs[h * hd + e] * r[h];
+  __syncthreads();
+  for (int e = static_cast<int>(threadIdx.x); e < nh * half; e += kAttnThreads)
+    rope_pair(qs + (e / half) * hd + (hd - a.rope_dim), e % half, L.pos[li], a.inv_freq, false);
+  __syncthreads();
+  attn_split_block<HB, true>(kp, nk, lg, cap, qs, hd, nh, scale, part, stats);
 }
 
 // grid (heads, lanes): the splits of one (lane, head) merged with the sink, then the inverse tail RoPE.
@@ -631,7 +665,7 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
   a.part_stats = a.part + static_cast<int64_t>(n) * a.n_head * kAttnMaxSplits * a.head_dim;
   const int bound = std::max(a.max_keys, 1);
   const int cap = attn_split_keys(bound), splits = attn_splits(bound);
-  auto need = [&](int hb) { return static_cast<size_t>(cap) * (sizeof(void*) + hb * sizeof(float)); };
+  auto need = [&](int hb) { return attn_split_smem(cap, hb, a.head_dim, a.q_raw); };
   const cudaStream_t st = cs(s);
   // The head group size only changes how many heads share a block, never a head's arithmetic: two
   // heads a block when the step has one or two lanes (twice the blocks), else four (each key row

@@ -63,11 +63,39 @@ __device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t
   return ss;
 }
 
+// rms_factor's r from the row's sum of squares t over n elements.
+__device__ __forceinline__ float rms_of_sumsq(double t, int64_t n, float eps) {
+  return static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(eps)));
+}
+
 // r = rsqrt(mean(x^2) + eps) as the CPU rounds it (ops.cpp rms_norm), over x[0..n) (any memory).
 __device__ __forceinline__ float rms_factor(const float* x, int64_t n, float eps, double* red) {
   const double ss = strided_sumsq(x, n, static_cast<int>(threadIdx.x), kRowThreads);
-  const double t = block_sum(ss, red);
-  return static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(eps)));
+  return rms_of_sumsq(block_sum(ss, red), n, eps);
+}
+
+// rms_factor of H rows at once (rows h < nh of x, n apart): each row's strided parts, butterfly and
+// block_sum's tree, so each r has rms_factor's bits, with one barrier for all the rows. red: H x 8
+// shared doubles.
+template <int H>
+__device__ __forceinline__ void rms_factors(const float* x, int64_t n, int nh, float eps, double (*red)[kRowWarps],
+                                            float (&r)[H]) {
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+  double ss[H];
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    ss[h] = h < nh ? strided_sumsq(x + h * n, n, static_cast<int>(threadIdx.x), kRowThreads) : 0.0;
+    ss[h] = warp_sum(ss[h]);
+  }
+  if (threadIdx.x % DS4_WARP == 0)
+#pragma unroll
+    for (int h = 0; h < H; ++h) red[h][warp] = ss[h];
+  __syncthreads();
+#pragma unroll
+  for (int h = 0; h < H; ++h) {
+    const double* v = red[h];
+    r[h] = rms_of_sumsq(((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])), n, eps);
+  }
 }
 
 // Sum of one double per thread over a block of kWideThreads (1024) threads: the butterfly in each
@@ -91,17 +119,20 @@ __device__ __forceinline__ void scale_row(float* x, int64_t n, float r, const fl
   __syncthreads();
 }
 
+// Rotate interleaved pair k of tail by pos * inv_freq[k] (inverse: the conjugate).
+__device__ __forceinline__ void rope_pair(float* tail, int k, int64_t pos, const double* inv_freq, bool inverse) {
+  double s, c;
+  sincos(static_cast<double>(pos) * inv_freq[k], &s, &c);
+  const float cf = static_cast<float>(c);
+  const float sf = inverse ? -static_cast<float>(s) : static_cast<float>(s);
+  const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
+  tail[2 * k] = x0 * cf - x1 * sf;
+  tail[2 * k + 1] = x0 * sf + x1 * cf;
+}
+
 // Rotate the rope_dim/2 interleaved pairs of tail by pos * inv_freq[k] (inverse: the conjugate).
 __device__ __forceinline__ void rope_block(float* tail, int half, int64_t pos, const double* inv_freq, bool inverse) {
-  for (int k = threadIdx.x; k < half; k += kRowThreads) {
-    double s, c;
-    sincos(static_cast<double>(pos) * inv_freq[k], &s, &c);
-    const float cf = static_cast<float>(c);
-    const float sf = inverse ? -static_cast<float>(s) : static_cast<float>(s);
-    const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
-    tail[2 * k] = x0 * cf - x1 * sf;
-    tail[2 * k + 1] = x0 * sf + x1 * cf;
-  }
+  for (int k = threadIdx.x; k < half; k += kRowThreads) rope_pair(tail, k, pos, inv_freq, inverse);
   __syncthreads();
 }
 
@@ -233,12 +264,12 @@ __device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
 // One split of one lane for heads h < nh of a group of HB (blockDim.x == kAttnThreads). kp: the
 // split's nk >= 1 key rows (shared; the caller fills it and this function's first barrier
 // publishes it); lg: HB x cap shared floats (cap >= nk); q: the group's first query row (head h at
-// q + h * hd, 16-byte aligned); o, st: the group's first head's partials of this split (head h at
+// q + h * hd, 16-byte aligned; Q_SHARED: in shared memory, else global); o, st: the group's first head's partials of this split (head h at
 // o + h * kAttnMaxSplits * hd, st + h * kAttnMaxSplits * 2).
 // Phase 1: warps take keys in turn, lane l holds 8-element chunks l and l + 32 of each query,
 // a butterfly per head. Phase 2: a warp per head: max, exp, sum (strided lanes, then the
 // butterfly). Phase 3: thread t owns element pair t and sums e_j * k_j in key order.
-template <int HB>
+template <int HB, bool Q_SHARED = false>
 __device__ __forceinline__ void attn_split_block(const uint16_t* const* kp, int nk, float* lg, int cap,
                                                  const float* __restrict__ q, int hd, int nh, float scale,
                                                  float* __restrict__ o, float* __restrict__ st) {
@@ -253,7 +284,7 @@ __device__ __forceinline__ void attn_split_block(const uint16_t* const* kp, int 
       const int c = lane + DS4_WARP * j;
       if (h < nh && c < chunks) {
         const uint4* src = reinterpret_cast<const uint4*>(q + static_cast<int64_t>(h) * hd + 8 * c);
-        const uint4 a = ds4_ldg(src), b = ds4_ldg(src + 1);
+        const uint4 a = Q_SHARED ? src[0] : ds4_ldg(src), b = Q_SHARED ? src[1] : ds4_ldg(src + 1);
         const uint32_t w[8] = {a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w};
 #pragma unroll
         for (int e = 0; e < 8; ++e) qr[h][j][e] = ds4_bits_to_float(w[e]);

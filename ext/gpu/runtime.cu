@@ -259,6 +259,35 @@ void route(const float* logits, int n, int n_expert, int k, const float* bias, b
   w.download(weights);
 }
 
+bool router_route(const TensorView& W, const float* X, int n, const int32_t* tid2eid, int64_t n_vocab,
+                  const int32_t* tokens, const float* bias, int k, bool norm, float scale, int max_part, int repeat,
+                  float* logits, int32_t* ids, float* weights, int32_t* sorted, int32_t* parts, int32_t* n_parts) {
+  const int64_t d = W.ne[0], E = W.ne[1];
+  const size_t picks = static_cast<size_t>(n) * k;
+  Buffer w(W.data, static_cast<size_t>(W.nbytes())), x(X, static_cast<size_t>(n) * d * 4), b(bias, E * 4);
+  Buffer tk(tokens, static_cast<size_t>(n) * 4), t2e(tid2eid, tid2eid ? static_cast<size_t>(n_vocab) * k * 4 : 0);
+  Buffer lg(static_cast<size_t>(n) * E * 4), id(picks * 4), wt(picks * 4), so(picks * 4), pa(picks * 12), np(4);
+  Buffer done(4);
+  DS4_GPU_CHECK(cudaMemset(done.as<void>(), 0, 4));
+  TensorView dv = W;
+  dv.data = w.as<uint8_t>();
+  bool took = true;
+  for (int r = 0; r < repeat && took; ++r)
+    took = ds4::gpu::router_route(dv, x.as<float>(), n, d, lg.as<float>(), tid2eid != nullptr, t2e.as<int32_t>(),
+                                  tk.as<int32_t>(), b.as<float>(), k, norm, scale, id.as<int32_t>(), wt.as<float>(),
+                                  max_part, so.as<int32_t>(), pa.as<ExpertPart>(), np.as<int32_t>(),
+                                  done.as<uint32_t>(), nullptr);
+  sync();
+  if (!took) return false;
+  lg.download(logits);
+  id.download(ids);
+  wt.download(weights);
+  so.download(sorted);
+  pa.download(parts);
+  np.download(n_parts);
+  return true;
+}
+
 void hc_site(float* X, int n, int64_t d, const float* Y, float* post, float* comb, const TensorView& fn,
              const float* scale, const float* base, int iters, float hc_eps, float norm_eps, const float* norm_w,
              float* U) {

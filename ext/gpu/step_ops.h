@@ -191,6 +191,11 @@ struct AttentionLaunch {
   uint8_t* planes = nullptr;
   int64_t planes_ld = 0;
   int heads_per_member = 0;
+  // q_raw: q holds q_b's rows as they are, and each split block first applies q_heads' per-head
+  // RMSNorm (eps q_eps) and tail RoPE (at the lane's position) to its heads in shared memory: the
+  // bits q_heads would give them, one launch fewer (pass 18). q itself is left as it is.
+  bool q_raw = false;
+  float q_eps = 0.0f;
 };
 // Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
 // key count only), then a second kernel merges the splits per (lane, head) in a fixed order.

@@ -196,6 +196,18 @@ DS4_HD T ds4_ldg(const T* p) {
 #endif
 }
 
+// A load from L2, past the SM's own cache: for data another block of the same launch wrote (and
+// fenced) before this block read it, as the fused router's last block reads the logits (CUDA's
+// cache-global load; HIP: a volatile load, which AMD compiles to an L1-bypassing one).
+template <class T>
+DS4_HD T ds4_ldcg(const T* p) {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__)
+  return __ldcg(p);
+#else
+  return *static_cast<const volatile T*>(p);
+#endif
+}
+
 // --- warp-scope copies into shared memory (matvec.cuh's chunked weight loads) -----------------
 // ds4_cp_async16(dst, src): copy 16 bytes, global -> shared (16-byte aligned both). On sm_80+ an
 // asynchronous cp.async (no registers held while it is in flight); elsewhere a plain load and

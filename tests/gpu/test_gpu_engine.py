@@ -80,6 +80,15 @@ def gpu_engine(mf: ModelFile, *, max_slots: int = 6, max_rows: int = 16):
                             n_pages=n_pages, max_rows=max_rows)
 
 
+def synth_tiny_gpu(tmp_path_factory, seed: int, *, max_slots: int, max_rows: int):
+    """(ModelFile, GpuEngine) on a tiny model synthesized with seed: the module fixture of the tests
+    that switch one GPU launch setting against another."""
+    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
+    synthesize(tiny(), path, seed=seed)
+    mf = ModelFile.open(path)
+    return mf, gpu_engine(mf, max_slots=max_slots, max_rows=max_rows)
+
+
 def cpu_engine(mf: ModelFile, *, max_slots: int = 6, max_rows: int = 16):
     n_pages = plan_memory(mf.config, max_slots=max_slots, max_ctx=MAX_CTX).n_pages
     return native.Engine(mf.config, str(mf.path), tensor_entries(mf), max_slots=max_slots, max_ctx=MAX_CTX,

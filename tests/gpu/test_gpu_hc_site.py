@@ -110,15 +110,9 @@ def test_site_rejects_what_it_cannot_take() -> None:
 
 @pytest.fixture(scope="module")
 def tiny_gpu(tmp_path_factory):
-    from ds4_app.engine.gguf_file import ModelFile
-    from ds4_app.engine.presets import tiny
-    from ds4_app.engine.synth import synthesize
-    from tests.gpu.test_gpu_engine import gpu_engine
+    from tests.gpu.test_gpu_engine import synth_tiny_gpu
 
-    path = tmp_path_factory.mktemp("tiny") / "tiny.gguf"
-    synthesize(tiny(), path, seed=11)
-    mf = ModelFile.open(path)
-    return mf, gpu_engine(mf, max_slots=2, max_rows=40)
+    return synth_tiny_gpu(tmp_path_factory, 11, max_slots=2, max_rows=40)
 
 
 def test_engine_fused_sites_against_the_three_launches(tiny_gpu) -> None:

@@ -1,0 +1,208 @@
+// The MoE routing's device bodies (spec §5.1), shared by their own launches and the fused router
+// (matvec.cu router_route_kernel, pass 18):
+//   route_lane         one warp routes one lane: its expert ids in selection order and weights;
+//   build_parts_block  one block sorts the step's (lane, selection) pairs by expert into parts of at
+//                      most max_part pairs (the grouped expert products' work list).
+// Both are integer or per-lane float arithmetic in a fixed order: whichever launch runs them, and
+// with however many threads, they write the same bytes.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "matvec.cuh"  // ExpertPartDev
+#include "rowops.cuh"  // softplus_dev
+#include "step_ops.h"  // kMaxExpertUsed
+
+namespace ds4::gpu {
+
+// What route_lane needs besides the lane: the spec's routing inputs and where it writes.
+struct RouteArgs {
+  int n_expert = 0, k_used = 0, hash = 0, norm = 0;
+  float wscale = 1.0f;
+  const int32_t* tid2eid = nullptr;  // hash layers: [n_vocab, k_used]
+  const int32_t* tokens = nullptr;   // the lanes' tokens
+  const float* bias = nullptr;       // [n_expert]
+  int32_t* ids = nullptr;            // [lanes, k_used]
+  float* weights = nullptr;          // [lanes, k_used]
+};
+
+// The routing inputs as route_lane takes them; throws on counts its kernels do not take.
+inline RouteArgs route_args(int n_expert, int k, bool hash, const int32_t* tid2eid, const int32_t* tokens,
+                            const float* bias, bool norm, float scale, int32_t* ids, float* weights) {
+  if (k < 1 || k > kMaxExpertUsed)
+    throw std::invalid_argument("GPU route: n_expert_used must be 1.." + std::to_string(kMaxExpertUsed));
+  if (n_expert < 1 || n_expert > 4096) throw std::invalid_argument("GPU route: n_expert must be 1..4096");
+  RouteArgs a;
+  a.n_expert = n_expert;
+  a.k_used = k;
+  a.hash = hash ? 1 : 0;
+  a.norm = norm ? 1 : 0;
+  a.wscale = scale;
+  a.tid2eid = tid2eid;
+  a.tokens = tokens;
+  a.bias = bias;
+  a.ids = ids;
+  a.weights = weights;
+  return a;
+}
+
+// One warp's shared scratch for route_lane.
+struct RouteShared {
+  int32_t chosen[kMaxExpertUsed];
+  float w[kMaxExpertUsed];
+  float den;
+};
+
+// Does (va, ea) beat (vb, eb)? Larger value, then the lower expert id (the CPU's '>' scan).
+__device__ __forceinline__ bool route_better(float va, int ea, float vb, int eb) {
+  if (eb < 0) return ea >= 0;
+  if (ea < 0) return false;
+  return va > vb || (va == vb && ea < eb);
+}
+
+// A hash layer's experts of lane i (tid2eid is a weight and the tokens are step inputs, so a
+// launch may read them before its grid wait).
+__device__ __forceinline__ void route_hash_ids(const RouteArgs& a, int i, RouteShared& sh) {
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  for (int k = lane; k < a.k_used; k += DS4_WARP)
+    sh.chosen[k] = a.tid2eid[static_cast<int64_t>(a.tokens[i]) * a.k_used + k];
+}
+
+// Lane i's route by the calling warp from its router logits lg[n_expert] (read from L2: in the
+// fused router they were written during the same launch), after route_hash_ids on a hash layer.
+// Each expert's score sqrt(softplus(logit)) + bias is computed once, into registers: warp lane l
+// holds experts l, l + 32, ... (R of them, R * 32 >= n_expert). Then K arg-max passes: each lane
+// takes the best of its experts not yet chosen (in increasing id order, a strict '>' keeping the
+// earlier), the butterfly picks the warp's best (ties to the lower id), and the lane owning it
+// marks it taken in its bit mask. The chosen experts' weights are computed by one lane each and
+// summed by lane 0 in selection order. (Until pass 16 the scores sat in shared memory and each
+// pass checked every candidate against the experts chosen so far: the same comparisons in the
+// same order, but 24 us of a C=1 step's critical path for 256 experts against 4 us for a
+// hash-routed layer.)
+template <int R>
+__device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const float* lg, RouteShared& sh) {
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  if (!a.hash) {
+    float score[R];
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const int e = lane + DS4_WARP * j;
+      score[j] = e < a.n_expert ? sqrtf(softplus_dev(ds4_ldcg(lg + e))) + a.bias[e] : 0.0f;
+    }
+    uint32_t taken[(R + 31) / 32] = {};  // bit j % 32 of word j / 32: expert lane + 32 j is chosen
+    for (int k = 0; k < a.k_used; ++k) {
+      float bv = 0.0f;
+      int be = -1;
+#pragma unroll
+      for (int j = 0; j < R; ++j) {
+        const int e = lane + DS4_WARP * j;
+        if (e < a.n_expert && !((taken[j / 32] >> (j % 32)) & 1u) && (be < 0 || score[j] > bv)) {
+          bv = score[j];
+          be = e;
+        }
+      }
+#pragma unroll
+      for (int m = 16; m >= 1; m >>= 1) {
+        const float ov = ds4_shfl_xor(bv, m);
+        const int oe = ds4_shfl_xor(be, m);
+        if (route_better(ov, oe, bv, be)) {
+          bv = ov;
+          be = oe;
+        }
+      }
+      if (be >= 0 && be % DS4_WARP == lane) {
+#pragma unroll
+        for (int j = 0; j < R; ++j)
+          if (be / DS4_WARP == j) taken[j / 32] |= 1u << (j % 32);
+      }
+      if (lane == 0) sh.chosen[k] = be;
+    }
+  }
+  ds4_syncwarp();
+  for (int k = lane; k < a.k_used; k += DS4_WARP) sh.w[k] = sqrtf(softplus_dev(ds4_ldcg(lg + sh.chosen[k])));
+  ds4_syncwarp();
+  if (lane == 0) {
+    float sum = 0.0f;
+    for (int k = 0; k < a.k_used; ++k) sum += sh.w[k];
+    sh.den = a.norm ? fmaxf(sum, 6.103515625e-5f) : 1.0f;
+  }
+  ds4_syncwarp();
+  for (int k = lane; k < a.k_used; k += DS4_WARP) {
+    a.ids[i * a.k_used + k] = sh.chosen[k];
+    a.weights[i * a.k_used + k] = sh.w[k] / sh.den * a.wscale;
+  }
+}
+
+// Shared memory build_parts_block takes: three ints an expert, then two a thread.
+__host__ __device__ constexpr int build_parts_smem(int n_expert, int threads) { return 4 * (3 * n_expert + 2 * threads); }
+
+// Sort the pairs by expert (stably) into parts of at most max_part pairs, with the block's THREADS
+// threads (smem: build_parts_smem(n_expert, THREADS) bytes). pair_expert was written by an earlier
+// launch or by this block before a block barrier. Integer counts, scans and ranks: the same bytes
+// whatever THREADS is.
+template <int THREADS>
+__device__ __forceinline__ void build_parts_block(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part,
+                                                  int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts,
+                                                  int32_t* __restrict__ n_parts, int32_t* sm) {
+  int32_t* cnt = sm;                   // [n_expert] pairs per expert
+  int32_t* less = sm + n_expert;       // [n_expert] pairs with a smaller expert
+  int32_t* pbefore = less + n_expert;  // [n_expert] parts of smaller experts
+  int32_t* run_pairs = pbefore + n_expert;  // [THREADS]
+  int32_t* run_parts = run_pairs + THREADS;  // [THREADS]
+  const int t = static_cast<int>(threadIdx.x);
+  for (int e = t; e < n_expert; e += THREADS) cnt[e] = 0;
+  __syncthreads();
+  for (int p = t; p < n_pairs; p += THREADS) {
+    const int e = pair_expert[p];
+    if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
+  }
+  __syncthreads();
+  // Exclusive prefix sums of the pair and part counts over the experts: each thread sums its own
+  // run of experts, a scan over the threads' totals (integers: exact in any order) gives each run's
+  // start, and the thread walks its run again writing the starts.
+  const int per = (n_expert + THREADS - 1) / THREADS;
+  const int e0 = t * per, e1 = min(n_expert, e0 + per);
+  int32_t my_pairs = 0, my_parts = 0;
+  for (int e = e0; e < e1; ++e) {
+    my_pairs += cnt[e];
+    my_parts += (cnt[e] + max_part - 1) / max_part;
+  }
+  run_pairs[t] = my_pairs;
+  run_parts[t] = my_parts;
+  __syncthreads();
+  for (int off = 1; off < THREADS; off <<= 1) {
+    const int32_t a = t >= off ? run_pairs[t - off] : 0, b = t >= off ? run_parts[t - off] : 0;
+    __syncthreads();
+    run_pairs[t] += a;
+    run_parts[t] += b;
+    __syncthreads();
+  }
+  int32_t below = run_pairs[t] - my_pairs, pb = run_parts[t] - my_parts;
+  for (int e = e0; e < e1; ++e) {
+    less[e] = below;
+    pbefore[e] = pb;
+    below += cnt[e];
+    pb += (cnt[e] + max_part - 1) / max_part;
+  }
+  if (t == THREADS - 1) *n_parts = run_parts[t];
+  __syncthreads();
+  for (int p = t; p < n_pairs; p += THREADS) {
+    const int e = pair_expert[p];
+    if (e < 0 || e >= n_expert) continue;  // an invalid route is left out of every part
+    int before = 0;
+    for (int q = 0; q < p; ++q) before += pair_expert[q] == e;
+    const int rank = less[e] + before;
+    sorted[rank] = p;
+    if (before % max_part == 0) {
+      ExpertPartDev pt;
+      pt.expert = e;
+      pt.first = rank;
+      pt.count = min(max_part, cnt[e] - before);
+      parts[pbefore[e] + before / max_part] = pt;
+    }
+  }
+}
+
+}  // namespace ds4::gpu
