@@ -217,16 +217,8 @@ bool persistent_on() { return env_switch(g_persistent, "DS4_GPU_MV_PERSIST"); }
 // cannot say: the grid is then one block a row block). Asked once per instantiation.
 template <int T, int NC, int SHAPE, bool PL>
 int64_t dense_resident_blocks() {
-  static const int64_t n = [] {
-    int per_sm = 0;
-    if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, matvec_dense_kernel<T, NC, SHAPE, PL>, kMatvecThreads,
-                                                      dense_dynamic_smem<T, NC, SHAPE>()) !=
-        cudaSuccess) {
-      (void)cudaGetLastError();
-      return int64_t{0};
-    }
-    return static_cast<int64_t>(device_sms()) * per_sm;
-  }();
+  static const int64_t n = device_resident_blocks(reinterpret_cast<const void*>(&matvec_dense_kernel<T, NC, SHAPE, PL>),
+                                                  kMatvecThreads, dense_dynamic_smem<T, NC, SHAPE>());
   return n;
 }
 

@@ -136,7 +136,9 @@ __device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const floa
 }
 
 // Shared memory build_parts_block takes: three ints an expert, then two a thread.
-__host__ __device__ constexpr int build_parts_smem(int n_expert, int threads) { return 4 * (3 * n_expert + 2 * threads); }
+__host__ __device__ constexpr int build_parts_smem(int n_expert, int threads) {
+  return 4 * (3 * n_expert + 2 * threads);
+}
 
 // Sort the pairs by expert (stably) into parts of at most max_part pairs, with the block's THREADS
 // threads (smem: build_parts_smem(n_expert, THREADS) bytes). pair_expert was written by an earlier

@@ -24,6 +24,11 @@ constexpr int kRowThreads = 256;
 constexpr int kRowWarps = kRowThreads / DS4_WARP;
 static_assert(kRowWarps == 8, "block_sum's tree is written for 8 warps");
 
+// The fixed tree over the 8 warps' sums of a block (block_sum, rms_factors).
+__device__ __forceinline__ double warps_tree(const double* v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
 // Sum of one double per thread (blockDim.x == kRowThreads); red: 8 shared doubles. Every thread
 // gets the same bits; red is free again on return.
 __device__ __forceinline__ double block_sum(double v, double* red) {
@@ -31,7 +36,7 @@ __device__ __forceinline__ double block_sum(double v, double* red) {
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
   if (threadIdx.x % DS4_WARP == 0) red[warp] = v;
   __syncthreads();
-  const double t = ((red[0] + red[1]) + (red[2] + red[3])) + ((red[4] + red[5]) + (red[6] + red[7]));
+  const double t = warps_tree(red);
   __syncthreads();
   return t;
 }
@@ -92,10 +97,7 @@ __device__ __forceinline__ void rms_factors(const float* x, int64_t n, int nh, f
     for (int h = 0; h < H; ++h) red[h][warp] = ss[h];
   __syncthreads();
 #pragma unroll
-  for (int h = 0; h < H; ++h) {
-    const double* v = red[h];
-    r[h] = rms_of_sumsq(((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7])), n, eps);
-  }
+  for (int h = 0; h < H; ++h) r[h] = rms_of_sumsq(warps_tree(red[h]), n, eps);
 }
 
 // Sum of one double per thread over a block of kWideThreads (1024) threads: the butterfly in each
@@ -264,8 +266,8 @@ __device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
 // One split of one lane for heads h < nh of a group of HB (blockDim.x == kAttnThreads). kp: the
 // split's nk >= 1 key rows (shared; the caller fills it and this function's first barrier
 // publishes it); lg: HB x cap shared floats (cap >= nk); q: the group's first query row (head h at
-// q + h * hd, 16-byte aligned; Q_SHARED: in shared memory, else global); o, st: the group's first head's partials of this split (head h at
-// o + h * kAttnMaxSplits * hd, st + h * kAttnMaxSplits * 2).
+// q + h * hd, 16-byte aligned; Q_SHARED: in shared memory, else global); o, st: the group's first
+// head's partials of this split (head h at o + h * kAttnMaxSplits * hd, st + h * kAttnMaxSplits * 2).
 // Phase 1: warps take keys in turn, lane l holds 8-element chunks l and l + 32 of each query,
 // a butterfly per head. Phase 2: a warp per head: max, exp, sum (strided lanes, then the
 // butterfly). Phase 3: thread t owns element pair t and sums e_j * k_j in key order.
