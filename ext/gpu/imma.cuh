@@ -85,15 +85,24 @@ __device__ __forceinline__ void next_stage(int64_t nq, int stage, Issue issue) {
 }
 
 // cp.async of `pieces` runs of `vecs` 16-byte vectors, run r from src(r) to dst + r * pitch, by the
-// block's THREADS threads; runs of the usual length VECS take a constant divisor (a run of a
-// chunk's weights or planes: the index split is most of a copy's instructions otherwise).
+// block's THREADS threads, thread t taking vectors i = t, t + THREADS, ... of the runs laid end to
+// end (vector v of run r is i = r * vecs + v). Runs of the usual length VECS (a run of a chunk's
+// weights or planes) step (r, v) by THREADS with a constant split and no division, converting the
+// shared address once: the index split and address arithmetic were most of a copy's instructions.
 template <int THREADS, int VECS, class Src>
 __device__ __forceinline__ void copy_runs(uint8_t* dst, int pitch, int pieces, int vecs, Src src) {
   if (vecs == VECS) {
+    constexpr int kRunStep = THREADS / VECS, kVecStep = THREADS % VECS;
+    int r = static_cast<int>(threadIdx.x) / VECS, v = static_cast<int>(threadIdx.x) % VECS;
+    const ds4_smem_addr base = ds4_smem_of(dst);
 #pragma unroll 1
-    for (int i = static_cast<int>(threadIdx.x); i < pieces * VECS; i += THREADS) {
-      const int r = i / VECS, v = i % VECS;
-      ds4_cp_async16(dst + r * pitch + 16 * v, src(r) + 16 * v);
+    for (; r < pieces; r += kRunStep) {
+      ds4_cp_async16_at(base + r * pitch + 16 * v, src(r) + 16 * v);
+      v += kVecStep;
+      if (v >= VECS) {
+        v -= VECS;
+        ++r;
+      }
     }
   } else {
 #pragma unroll 1
@@ -103,6 +112,56 @@ __device__ __forceinline__ void copy_runs(uint8_t* dst, int pitch, int pieces, i
     }
   }
 }
+
+// The two-stage weight stream on the bulk copy engine (sm_90; the Q8_0 tiles of imma_q8.cu). A
+// stage's rows are one cp.async.bulk each, a whole run of a chunk's bytes, completing on the stage's
+// mbarrier: one instruction a row, where copy_runs takes one a 16-byte vector (and ~25 for its
+// addresses), with the same bytes into the same places. The thread of row 0 also
+// arms the barrier with the bytes to expect (copies that land first take the barrier's count below
+// zero for a moment; its phase ends only with that thread's arrival). Every thread waits on the phase
+// itself. The caller keeps the rule that a stage is refilled only after a block barrier that follows
+// every thread's last read of it.
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+#define DS4_IMMA_BULK 1
+// Thread 0 makes the n barriers at bar (one arrival a phase); every thread must then pass a block
+// barrier before the first copy or wait.
+__device__ __forceinline__ void bulk_init(uint64_t* bar, int n) {
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < n; ++s) {
+      const unsigned a = static_cast<unsigned>(__cvta_generic_to_shared(bar + s));
+      asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;\n" ::"r"(a) : "memory");
+    }
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+  }
+}
+// Rows [0, rows) of `bytes` bytes each (a multiple of 16, 16-byte aligned), row r from src(r) to
+// dst + r * pitch, completing on barrier bar; every thread of the block's THREADS calls it. A bulk copy
+// takes its operands from uniform registers, so a warp issues its lanes' copies one after another:
+// the rows are spread over the warps (lanes 0 .. rows / warps - 1 of each) to keep that short.
+template <int THREADS, class Src>
+__device__ __forceinline__ void bulk_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar) {
+  constexpr int kWarps = THREADS / DS4_WARP;
+  const int per = (rows + kWarps - 1) / kWarps, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int r = static_cast<int>(threadIdx.x) / DS4_WARP * per + lane;
+  if (lane >= per || r >= rows) return;
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  if (r == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(rows * bytes) : "memory");
+  const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * pitch));
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(d),
+               "l"(src(r)), "r"(bytes), "r"(b)
+               : "memory");
+}
+// Until the phase of barrier bar with this parity has ended (its copies have landed and are visible).
+__device__ __forceinline__ void bulk_wait(uint64_t* bar, unsigned parity) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  unsigned done = 0;
+  while (!done)
+    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+                 : "=r"(done)
+                 : "r"(b), "r"(parity)
+                 : "memory");
+}
+#endif
 
 #endif  // DS4_IMMA
 

@@ -48,6 +48,7 @@
 #include <atomic>
 #include <cstdlib>
 #include <stdexcept>
+#include <type_traits>
 
 #include "imma.h"
 #include "imma.cuh"
@@ -65,6 +66,7 @@ std::atomic<int> g_imma_grouped{-1};  // the same for the grouped threshold
 std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1: environment)
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
+std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
 std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -116,7 +118,9 @@ struct ImmaB {
 // previous chunk's mma work), so their L2 latency overlaps the barrier, the slice sums and the wait
 // for the chunk's weights; else each is loaded just before its use. The same values, so the same
 // bits; the narrow tile only (NT = 1: 16 registers).
-template <int MT, int NT, bool AHEAD>
+// BULK: the weights by the bulk copy engine (imma.cuh bulk_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else
+// by cp.async (copy_runs). The same bytes in the same places, so the same bits.
+template <int MT, int NT, bool AHEAD, bool BULK>
 __global__ void __launch_bounds__(kImmaThreads, 1)
     imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
@@ -147,14 +151,30 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   }
 
   const int64_t n_chunks = (units + 31) / 32;
+#if defined(DS4_IMMA_BULK)
+  __shared__ uint64_t bulk_bar[2];  // a barrier a stage
+  unsigned bulk_phase = 0;          // bit s: the parity of stage s's next phase
+  if constexpr (BULK) {
+    bulk_init(bulk_bar, 2);
+    __syncthreads();
+  }
+#endif
   // Copy chunk q of the block's rows into stage `stage` (rows past the end re-read the last row).
   auto issue = [&](int rb_of, int64_t q, int stage) {
-    const int64_t u0 = 32 * q, r0 = static_cast<int64_t>(rb_of) * S::kRows;
+    const int64_t u0 = 32 * q;
+    const int r0 = rb_of * S::kRows, last = static_cast<int>(rows) - 1;  // rows < 2^31, as n_rb
     const int nvec = static_cast<int>((units - u0 < 32 ? units - u0 : 32) * 34 / 16);
     const uint8_t* wq = W + u0 * 34;
-    copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec,
-                                             [=](int r) { return wq + min(r0 + r, rows - 1) * row_bytes; });
-    ds4_cp_async_commit();
+    auto src = [=](int r) { return wq + static_cast<int64_t>(min(r0 + r, last)) * row_bytes; };
+#if defined(DS4_IMMA_BULK)
+    if constexpr (BULK) {
+      bulk_rows<kImmaThreads>(smem + stage * S::kStage, kImmaPitch, S::kRows, 16 * nvec, src, bulk_bar + stage);
+    } else
+#endif
+    {
+      copy_runs<kImmaThreads, kImmaChunk / 16>(smem + stage * S::kStage, kImmaPitch, S::kRows, nvec, src);
+      ds4_cp_async_commit();
+    }
   };
 
   float acc[2][MT][NT][4];
@@ -266,7 +286,16 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     // The next copy: the row block's next chunk, else the next row block's first (if any).
     const int nrb = nq >= 0 ? rb : rb + static_cast<int>(gridDim.x);
     const int64_t n_item = nq >= 0 ? nq : (nrb < n_rb ? 0 : -1);
-    next_stage(n_item, stage, [&](int64_t q_of, int st) { issue(nrb, q_of, st); });
+#if defined(DS4_IMMA_BULK)
+    if constexpr (BULK) {
+      if (n_item >= 0) issue(nrb, n_item, stage ^ 1);
+      bulk_wait(bulk_bar + stage, (bulk_phase >> stage) & 1u);  // each thread sees the stage land
+      bulk_phase ^= 1u << stage;
+    } else
+#endif
+    {
+      next_stage(n_item, stage, [&](int64_t q_of, int st) { issue(nrb, q_of, st); });
+    }
     const uint8_t* chunk = smem + stage * S::kStage;
     if (NT == 1 && 32 * q + 32 <= units) {
       // A whole chunk (the narrow tile): no branch between this warp's two units, so their loads, mma
@@ -366,20 +395,27 @@ int matvec_imma_narrow_rows() {
 bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
+// DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles copy their weights by cp.async (read once a process; the
+// same bits either way, so not part of the graph key).
+static bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
 
 void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
 
 bool imma_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool wide = cudaFuncSetAttribute(imma_q8_kernel<2, 4, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                           ImmaShape<2, 4>::kSmem) == cudaSuccess;
-    const bool narrow = cudaFuncSetAttribute(imma_q8_kernel<4, 1, false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             ImmaShape<4, 1>::kSmem) == cudaSuccess &&
-                        cudaFuncSetAttribute(imma_q8_kernel<4, 1, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                             ImmaShape<4, 1>::kSmem) == cudaSuccess;
+    auto smem = [](auto kernel, int bytes) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
+    };
+    auto both = [&](auto bulk) {
+      constexpr bool B = decltype(bulk)::value;
+      return smem(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>::kSmem) &&
+             smem(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>::kSmem) &&
+             smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem);
+    };
+    const bool ok = both(std::false_type{}) && both(std::true_type{});
     (void)cudaGetLastError();
-    return wide && narrow;
+    return ok;
   }();
   (void)imma_q4k_prepare();
   return ready;
@@ -433,12 +469,20 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
     launch(kernel, grid, kImmaThreads, S::kSmem, stream, W.data, W.row_bytes(), rows, units, ks, P, ldp, ncols, Y, ldy,
            w_member, static_cast<int64_t>(ncols) * ldp, y_member);
   };
-  if (ncols > 8) {
-    go(imma_q8_kernel<2, 4, false>, ImmaShape<2, 4>{});
-  } else if (matvec_imma_ahead()) {
-    go(imma_q8_kernel<4, 1, true>, ImmaShape<4, 1>{});
+  auto pick = [&](auto bulk) {
+    constexpr bool B = decltype(bulk)::value;
+    if (ncols > 8) {
+      go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
+    } else if (matvec_imma_ahead()) {
+      go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
+    } else {
+      go(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>{});
+    }
+  };
+  if (matvec_imma_bulk()) {
+    pick(std::true_type{});
   } else {
-    go(imma_q8_kernel<4, 1, false>, ImmaShape<4, 1>{});
+    pick(std::false_type{});
   }
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
   imma_count_launch();

@@ -1100,29 +1100,43 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
   const uint8_t* src_l = We + 16 * lane;
   const uint8_t* src2_l = (Store::kPair ? We2 : We) + 16 * lane;
   const int passes = (units + DS4_WARP - 1) / DS4_WARP;
-  // Pass f of the warp's stream (pass f % passes of row group f / passes, whose first row is
-  // r0 + (f / passes) r_step) into stage st, one commit group. The launcher keeps an expert matrix
-  // below 2^31 bytes.
-  auto issue = [&](int f, int st) {
-    if (f < ng * passes) {
-      const int g = f / passes, q = f - g * passes;
-      const int rg = r0 + g * r_step;
-      const int left = units - q * DS4_WARP;
+  // The copy stream's cursor: the next pass to issue is pass iq of row group ig, whose row slot r
+  // reads from row_src[r] (its row's first chunk). The launcher keeps an expert matrix below 2^31
+  // bytes. Kept as a cursor, not recomputed from a pass count, so that a copy costs its address add.
+  int ig = 0, iq = 0;
+  const uint8_t* row_src[R];
+  auto aim = [&](int g) {
+    const int rg = r0 + g * r_step;
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const int row = rg + (r < H ? r : r - H);
+      row_src[r] = (r < H ? src_l : src2_l) + (row < rows ? row : rows - 1) * static_cast<int>(row_bytes);
+    }
+  };
+  aim(0);
+  const ds4_smem_addr dst_l = ds4_smem_of(buf + 16 * lane);
+  // The cursor's pass into stage st, one commit group; then the cursor moves on.
+  auto issue = [&](int st) {
+    if (ig < ng) {
+      const int left = units - iq * DS4_WARP;
       const int nvec = (left < DS4_WARP ? left : DS4_WARP) * UB / 16;  // units % 8 == 0: whole vectors
-      uint8_t* dst = buf + st * R * CB + 16 * lane;
+      const ds4_smem_addr dst = dst_l + st * R * CB;
+      const int off = iq * CB;
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        const int row = rg + (r < H ? r : r - H);
-        const int row_off = (row < rows ? row : rows - 1) * static_cast<int>(row_bytes);
-        const uint8_t* src = (r < H ? src_l : src2_l) + row_off + q * CB;
-        if (lane < nvec) ds4_cp_async16(dst + r * CB, src);
-        if (lane + DS4_WARP < nvec) ds4_cp_async16(dst + r * CB + 16 * DS4_WARP, src + 16 * DS4_WARP);
+        const uint8_t* src = row_src[r] + off;
+        if (lane < nvec) ds4_cp_async16_at(dst + r * CB, src);
+        if (lane + DS4_WARP < nvec) ds4_cp_async16_at(dst + r * CB + 16 * DS4_WARP, src + 16 * DS4_WARP);
+      }
+      if (++iq == passes) {
+        iq = 0;
+        if (++ig < ng) aim(ig);
       }
     }
     ds4_cp_async_commit();  // an empty group past the end keeps the count right
   };
   // The stream starts before the column indices are read (they do not gate the copies).
-  for (int f = 0; f < stages - 1; ++f) issue(f, f);
+  for (int f = 0; f < stages - 1; ++f) issue(f);
 
   // Lane l's elements of pass q (unit u = 32 q + l, so u >> 3 = 4 q + (l >> 3) and c, h from l):
   // k = Unit<kQ4_K>::k_of(u, g) = 1024 q + 256 (l >> 3) + 64 c + 16 h + q4k_group_k(g).
@@ -1139,8 +1153,7 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
   const int cpos = (lane >> 1) & 3;
   const int head_off = 144 * (lane >> 3), qs_off = head_off + 16 + 16 * (lane & 7);
 
-  int st = 0;  // the stage stream pass f is in (f % stages)
-  int f = 0;   // the stream pass being computed (g passes + q)
+  int st = 0;  // the stage of the pass being computed (its stream position % stages)
 #pragma unroll 1
   for (int g = 0; g < ng; ++g) {
     const int rg = r0 + g * r_step;
@@ -1157,9 +1170,9 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
       for (int s = 0; s < KS; ++s) {
         const int q = q0 + s;
         if (q < passes) {
-          int st_issue = st + stages - 1;  // stream pass f + stages - 1 goes where pass f - 1 was
+          int st_issue = st + stages - 1;  // the pass stages - 1 ahead goes where the previous one was
           if (st_issue >= stages) st_issue -= stages;
-          issue(f + stages - 1, st_issue);
+          issue(st_issue);
           grouped_own_wait(stages);
           ds4_syncwarp();
           if (lane < units - q * DS4_WARP) {
@@ -1202,7 +1215,6 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
           }
           ds4_syncwarp();  // every lane is done with stage st before it is filled again
           st = st + 1 == stages ? 0 : st + 1;
-          ++f;
         }
       }
     }

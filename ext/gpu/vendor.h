@@ -218,14 +218,25 @@ DS4_HD T ds4_ldcg(const T* p) {
 #define DS4_CP_ASYNC 1
 #endif
 
-__device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src) {
+// ds4_smem_of(p) / ds4_cp_async16_at(a, src): the same copy to a shared-memory address converted
+// once (a + n bytes is the address of p + n), for loops that would otherwise convert p every copy.
 #if defined(DS4_CP_ASYNC)
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(src) : "memory");
-#else
-  *static_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
-#endif
+using ds4_smem_addr = unsigned;
+__device__ __forceinline__ ds4_smem_addr ds4_smem_of(void* p) {
+  return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
+__device__ __forceinline__ void ds4_cp_async16_at(ds4_smem_addr dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src) : "memory");
+}
+#else
+using ds4_smem_addr = uint8_t*;
+__device__ __forceinline__ ds4_smem_addr ds4_smem_of(void* p) { return static_cast<uint8_t*>(p); }
+__device__ __forceinline__ void ds4_cp_async16_at(ds4_smem_addr dst, const void* src) {
+  *reinterpret_cast<uint4*>(dst) = *static_cast<const uint4*>(src);
+}
+#endif
+
+__device__ __forceinline__ void ds4_cp_async16(void* dst, const void* src) { ds4_cp_async16_at(ds4_smem_of(dst), src); }
 
 __device__ __forceinline__ void ds4_cp_async_commit() {
 #if defined(DS4_CP_ASYNC)

@@ -151,10 +151,24 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
 
 // Sixteen Q4_K nibbles (n: 4 words of bytes 0..15) of a sub-block with (dl, ml) against the matching
 // half of one column's planes, added to acc as the header describes.
+// A half's f = fmaf(float(S2), 2^16, float(T)) is computed here as float(2^16 S2 + T), one
+// conversion where planes_sum has two and an fma: |S2| <= 16 * 15 * 64 and |T| < 2^23, so the
+// integer is exact in 32 bits (|.| < 2^30), float(T) and float(S2) are exact, and both forms round
+// the same exact value once, to nearest even: the same bits. imma_q4k.cu keeps the fma form, so
+// test_gpu_imma.py's bit-for-bit checks against it test this identity on the device.
 __device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
                                                 float acc) {
   const float s = xp.s256 * 0.00390625f;  // exact
-  const float f = planes_sum<4>(n, xp.p0, xp.p1, xp.p2);
+  int s1 = 0, s2 = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    s1 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p1[i]), s1);
+    s2 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p2[i]), s2);
+  }
+  int t = (s2 * 256 + s1) * 256;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) t = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p0[i]), t);
+  const float f = static_cast<float>(t);
   return fmaf(dl * s, f, fmaf(-(ml * s), static_cast<float>(xp.m), acc));
 }
 

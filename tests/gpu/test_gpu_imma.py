@@ -104,6 +104,48 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     assert np.array_equal(got.view(np.uint32), want[perm].view(np.uint32))
 
 
+CHILD = """
+import sys
+import numpy as np
+from ds4_app.engine import _native
+T = _native._testing
+data = np.load(sys.argv[1])
+T.gpu_set_matvec_imma(1)
+before = T.gpu_imma_launches()
+out = {}
+for name in ("wide", "narrow"):
+    ne0, ne1 = (int(v) for v in data[name + "_shape"])
+    out[name] = T.gpu_matmul(8, data[name + "_raw"], ne0, ne1, data[name + "_x"])
+np.savez(sys.argv[2], launches=T.gpu_imma_launches() - before, **out)
+"""
+
+
+def test_weights_by_cp_async_equal_the_bulk_copies(imma, tmp_path) -> None:
+    """The Q8_0 tiles take their weights by the bulk copy engine (sm_90) unless DS4_GPU_MV_IMMA_BULK=0
+    (read once a process): a child process with the switch off gives the same bits for a wide call
+    and a narrow one with partial chunks (K = 4352: 136 units, the last chunk 8) and a persistent grid."""
+    import os
+    import subprocess
+    import sys
+
+    rng = np.random.default_rng()
+    data = {}
+    for name, (ne0, ne1, width) in {"wide": (4352, 500, 40), "narrow": (1536, 9000, 7)}.items():
+        data[name + "_shape"] = np.array([ne0, ne1])
+        data[name + "_raw"] = tame_raw(Q8_0, ne0 * ne1, rng)
+        data[name + "_x"] = rng.standard_normal((width, ne0)).astype(np.float32)
+    np.savez(tmp_path / "in.npz", **data)
+    env = dict(os.environ, DS4_GPU_MV_IMMA_BULK="0")
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], env=env,
+                   check=True, timeout=300)
+    child = np.load(tmp_path / "out.npz")
+    assert int(child["launches"]) == 2
+    imma(1)
+    for name in ("wide", "narrow"):
+        ne0, ne1 = (int(v) for v in data[name + "_shape"])
+        got = T.gpu_matmul(Q8_0, data[name + "_raw"], ne0, ne1, data[name + "_x"])
+        assert same_bits(got, child[name]), name
+
 def test_nonfinite_and_zero_units_match(imma) -> None:
     """A unit holding an inf or a NaN makes its column's rows NaN on both kernels, nothing else;
     zero and subnormal columns give the SIMT bits."""
