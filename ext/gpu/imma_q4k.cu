@@ -9,7 +9,8 @@
 //   unit u (16 quant bytes: the low nibbles are half h of sub-block 2c' of a 256-block, the high
 //   nibbles half h of sub-block 2c' + 1; Unit<kQ4_K>) against the matching halves of two X units:
 //     per half: S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 (16 elements, exact integers)
-//               f = fmaf(float(S2), 2^16, float(T)), s = s256 2^-8
+//               f = float(2^16 S2 + T) (one rounding: the value of fmaf(float(S2), 2^16, float(T));
+//               xplanes.cuh q4k_planes_dot), s = s256 2^-8
 //               acc = fmaf(dl s, f, fmaf(-(ml s), float(M), acc))     (q4k_planes_dot; low first)
 //   lanes, k-slices and their sums as in imma_q8.cu (lane u % 32 of slice (u / 32) % KS, units in
 //   increasing order; the butterfly; the k-slice tree).
@@ -173,9 +174,9 @@ __global__ void __launch_bounds__(kGqThreads)
   #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, j = e & 1;
-          const float flo = fmaf(small_int_to_float(s2lo[e]), 65536.0f, static_cast<float>(tlo[e]));
+          const float flo = static_cast<float>(s2lo[e] * 65536 + tlo[e]);
           float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), mlo[j], a[mt][e]));
-          const float fhi = fmaf(small_int_to_float(s2hi[e]), 65536.0f, static_cast<float>(thi[e]));
+          const float fhi = static_cast<float>(s2hi[e] * 65536 + thi[e]);
           a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), mhi[j], v));
         }
       }

@@ -154,8 +154,8 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
 // A half's f = fmaf(float(S2), 2^16, float(T)) is computed here as float(2^16 S2 + T), one
 // conversion where planes_sum has two and an fma: |S2| <= 16 * 15 * 64 and |T| < 2^23, so the
 // integer is exact in 32 bits (|.| < 2^30), float(T) and float(S2) are exact, and both forms round
-// the same exact value once, to nearest even: the same bits. imma_q4k.cu keeps the fma form, so
-// test_gpu_imma.py's bit-for-bit checks against it test this identity on the device.
+// the same exact value once, to nearest even: the same bits (GPU pass 19 checked it against the fma
+// form on the H200; imma_q4k.cu's epilogue now forms f the same way).
 __device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
                                                 float acc) {
   const float s = xp.s256 * 0.00390625f;  // exact
