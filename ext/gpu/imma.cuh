@@ -116,11 +116,11 @@ __device__ __forceinline__ void copy_runs(uint8_t* dst, int pitch, int pieces, i
 // The two-stage weight stream on the bulk copy engine (sm_90; the Q8_0 tiles of imma_q8.cu). A
 // stage's rows are one cp.async.bulk each, a whole run of a chunk's bytes, completing on the stage's
 // mbarrier: one instruction a row, where copy_runs takes one a 16-byte vector (and ~25 for its
-// addresses), with the same bytes into the same places. The thread of row 0 also
-// arms the barrier with the bytes to expect (copies that land first take the barrier's count below
-// zero for a moment; its phase ends only with that thread's arrival). Every thread waits on the phase
-// itself. The caller keeps the rule that a stage is refilled only after a block barrier that follows
-// every thread's last read of it.
+// addresses), with the same bytes into the same places. The thread of row 0 also arms the barrier
+// with the bytes to expect (copies that land first take the barrier's count below zero for a moment;
+// its phase ends only with that thread's arrival). Every thread waits on the phase itself. The caller
+// keeps the rule that a stage is refilled only after a block barrier that follows every thread's last
+// read of it.
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
 #define DS4_IMMA_BULK 1
 // Thread 0 makes the n barriers at bar (one arrival a phase); every thread must then pass a block
@@ -145,7 +145,9 @@ __device__ __forceinline__ void bulk_rows(uint8_t* dst, int pitch, int rows, int
   const int r = static_cast<int>(threadIdx.x) / DS4_WARP * per + lane;
   if (lane >= per || r >= rows) return;
   const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  if (r == 0) asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(rows * bytes) : "memory");
+  if (r == 0) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(rows * bytes) : "memory");
+  }
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * pitch));
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(d),
                "l"(src(r)), "r"(bytes), "r"(b)
@@ -156,10 +158,11 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, unsigned parity) {
   const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   unsigned done = 0;
   while (!done)
-    asm volatile("{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
-                 : "=r"(done)
-                 : "r"(b), "r"(parity)
-                 : "memory");
+    asm volatile(
+        "{\n .reg .pred p;\n mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2;\n selp.u32 %0, 1, 0, p;\n}\n"
+        : "=r"(done)
+        : "r"(b), "r"(parity)
+        : "memory");
 }
 #endif
 
