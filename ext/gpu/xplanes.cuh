@@ -128,18 +128,19 @@ __device__ __forceinline__ uint32_t abs_bits_max(float4 v) {
 // fmaf(float(S2), 2^16, float(T)) for N words of int8 values q (Q8_0 weights, or Q4_K nibbles as
 // bytes) against the matching N words of each plane: S1 = sum q p1, T = 2^8 S1 + sum q p0 and S2 =
 // sum q p2, exact in 32-bit integers (N <= 8: |T| < 2^28).
+// acc + sum q p over N words of signed bytes (dp4a; exact in 32 bits for the sums below).
+template <int N>
+__device__ __forceinline__ int plane_dot(const uint32_t (&q)[N], const uint32_t (&p)[N], int acc) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) acc = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p[i]), acc);
+  return acc;
+}
+
 template <int N>
 __device__ __forceinline__ float planes_sum(const uint32_t (&q)[N], const uint32_t (&p0)[N], const uint32_t (&p1)[N],
                                             const uint32_t (&p2)[N]) {
-  int s1 = 0, s2 = 0;
-#pragma unroll
-  for (int i = 0; i < N; ++i) {
-    s1 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p1[i]), s1);
-    s2 = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p2[i]), s2);
-  }
-  int t = s1 * 256;
-#pragma unroll
-  for (int i = 0; i < N; ++i) t = ds4_dp4a(static_cast<int>(q[i]), static_cast<int>(p0[i]), t);
+  const int s1 = plane_dot(q, p1, 0), s2 = plane_dot(q, p2, 0);
+  const int t = plane_dot(q, p0, s1 * 256);
   return fmaf(static_cast<float>(s2), 65536.0f, static_cast<float>(t));
 }
 
@@ -159,16 +160,8 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
 __device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
                                                 float acc) {
   const float s = xp.s256 * 0.00390625f;  // exact
-  int s1 = 0, s2 = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    s1 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p1[i]), s1);
-    s2 = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p2[i]), s2);
-  }
-  int t = (s2 * 256 + s1) * 256;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) t = ds4_dp4a(static_cast<int>(n[i]), static_cast<int>(xp.p0[i]), t);
-  const float f = static_cast<float>(t);
+  const int s1 = plane_dot(n, xp.p1, 0), s2 = plane_dot(n, xp.p2, 0);
+  const float f = static_cast<float>(plane_dot(n, xp.p0, (s2 * 256 + s1) * 256));
   return fmaf(dl * s, f, fmaf(-(ml * s), static_cast<float>(xp.m), acc));
 }
 
