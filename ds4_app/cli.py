@@ -26,9 +26,24 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-ctx", type=int, default=4096, metavar="N", help="context per sequence (default 4096)")
     p.add_argument("--kv-pool-tokens", type=int, default=None, metavar="N",
                    help="page pool size in tokens (default: max-ctx x max-slots)")
+    p.add_argument("--max-rows", type=int, default=None, metavar="N",
+                   help="rows one engine step carries (prompt rows plus decoders; default 16 on cpu, "
+                        "512 on cuda/hip)")
     p.add_argument("--threads", type=int, default=0, metavar="N", help="CPU threads (default: physical cores)")
     p.add_argument("--qat-numerics", action=argparse.BooleanOptionalAction, default=None,
                    help="FP8/FP4 quantization round trips of the official model (default: from the file)")
+
+
+# The engine options argparse can only type-check, with the least each may be (None: not given).
+_ENGINE_MINIMA = (("max_slots", 1), ("max_ctx", 1), ("kv_pool_tokens", 1), ("max_rows", 1), ("threads", 0))
+
+
+def check_engine_arguments(args: argparse.Namespace) -> None:
+    """UserError, one line, for an engine option out of range (before any model is loaded)."""
+    for dest, least in _ENGINE_MINIMA:
+        value = getattr(args, dest, None)
+        if value is not None and value < least:
+            raise UserError(f"--{dest.replace('_', '-')} must be at least {least}, got {value}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,6 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        check_engine_arguments(args)
         if args.command is not None:
             return int(args.handler(args) or 0)
         if args.serve:

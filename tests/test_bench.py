@@ -450,6 +450,22 @@ def test_compare_set_overrides_convert_like_the_options():
             apply_overrides(parser, args, [bad])
 
 
+def test_compare_set_max_rows_reaches_the_candidate_target():
+    from ds4_app.commands.bench import target_spec
+
+    parser, args = _bench_args("--model", "m.gguf")
+    cand, applied = apply_overrides(parser, args, ["max-rows=32"])
+    assert applied == (("max-rows", "32"),)
+    base, spec = target_spec(args, 1), target_spec(cand, 1)
+    assert base.max_rows is None and spec.max_rows == 32 and base.key != spec.key
+    assert base.describe()["max_rows"] is None and spec.describe()["max_rows"] == 32
+    assert apply_overrides(parser, cand, ["max-rows=none"])[0].max_rows is None
+    _, url_args = _bench_args("--url", "http://h:1")
+    assert "max_rows" not in target_spec(url_args, 1).describe()
+    with pytest.raises(ValueError, match="not a valid value"):
+        apply_overrides(parser, args, ["max-rows=many"])
+
+
 def test_command_line_is_reconstructed_without_the_api_key():
     parser, args = _bench_args("--url", "http://h:1", "--api-key", "secret", "--concurrency", "1,4",
                                "--ignore-eos", "--compare-set", "seed=2", "--no-progress")
@@ -473,6 +489,10 @@ def test_bad_options_are_one_line_user_errors(capsys):
 
         _, args = _bench_args("--compare-set", "bogus=1")
         run(args)
+    assert main(["bench", "--max-rows", "0", "--no-progress"]) == 2
+    assert "--max-rows must be at least 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "--compare-set", "max-rows=-1", "--no-progress"]) == 2
+    assert "--compare-set: --max-rows must be at least 1, got -1" in capsys.readouterr().err
 
 
 # --- end to end on the real engine ----------------------------------------------------------
@@ -531,6 +551,20 @@ def test_cpu_tiny_abba(tmp_path, overrides, exact):
         assert rc == 0 and cmp_["exact"] and cmp_["mismatches"] == 0
     else:
         assert rc == 1 and not cmp_["exact"] and cmp_["mismatches"] > 0
+
+
+@needs_engine
+def test_cpu_tiny_abba_over_max_rows_is_exact_and_reports_the_rows(tmp_path):
+    out = tmp_path / "rows"
+    rc = main(["bench", *TINY, "--concurrency", "1,2", "--waves", "1", "--compare-set", "max-rows=32",
+               "--out", str(out), "--require-exact"])
+    data = json.loads((out / "bench.json").read_text())
+    assert rc == 0 and data["comparison"]["exact"]
+    limits = [a["engine"]["step_limits"] for a in data["arms"]]
+    assert [x["max_rows"] for x in limits] == [16, 32, 16]
+    assert [x["lone_prompt_rows"] for x in limits] == [16, 32, 16]
+    assert [a["target"]["max_rows"] for a in data["arms"]] == [None, 32, None]
+    assert "32 rows a step" in (out / "bench.md").read_text()
 
 
 def _free_port():

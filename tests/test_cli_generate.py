@@ -59,3 +59,22 @@ def test_bad_model_file_is_one_line(tmp_path, tiny_model_path, problem):
     lines = res.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("ds4-app: error:"), res.stderr
     assert "Traceback" not in res.stderr
+
+
+def test_max_rows_is_an_engine_option_of_every_mode():
+    from ds4_app.cli import build_parser
+
+    parser = build_parser()
+    assert parser.parse_args([]).max_rows is None  # the backend's default (16 cpu, 512 cuda / hip)
+    assert parser.parse_args(["--max-rows", "64", "--serve"]).max_rows == 64
+    for cmd in (["generate", "--prompt", "hi"], ["bench"]):
+        assert parser.parse_args([*cmd, "--max-rows", "32"]).max_rows == 32
+
+
+@pytest.mark.parametrize("option,value", [("--max-rows", "0"), ("--max-rows", "-2"), ("--max-slots", "0")])
+def test_an_engine_option_out_of_range_is_one_line(tiny_model_path, option, value):
+    res = ds4("generate", "--model", tiny_model_path, option, value, "--prompt", "hi")
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert lines == [f"ds4-app: error: {option} must be at least 1, got {value}"], res.stderr
+

@@ -15,7 +15,8 @@ import pytest
 from ds4_app.engine.plan import StepLimits, StepPlan
 
 native = pytest.importorskip("ds4_app.engine._native")
-from ds4_app.engine.runner import BACKENDS, BackendUnavailable, Runner  # noqa: E402
+from ds4_app.engine.runner import (BACKENDS, BackendUnavailable, Runner, default_limits,  # noqa: E402
+                                   default_max_rows)
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +76,36 @@ def test_limits_default_to_upstream_policy_fitted_to_max_rows(tiny_model):
     assert r.limits is custom and r.max_rows == 32
     with pytest.raises(ValueError, match="must agree"):
         Runner(tiny_model, max_slots=1, max_ctx=256, max_rows=16, limits=custom)
+
+
+def test_cpu_and_reference_default_to_16_rows_and_upstream_policy(tiny_model):
+    # Upstream's policy whatever max_slots is (8 slots still decode 6 a step on the CPU); a
+    # larger max_rows goes to a lone prompt, the concurrent prompts keep 4 rows each.
+    for backend in ("cpu", "reference"):
+        assert default_max_rows(backend) == 16
+        r = Runner(tiny_model, backend=backend, max_slots=8, max_ctx=256)
+        assert r.max_rows == 16 and r.limits == StepLimits()
+    r = Runner(tiny_model, max_slots=8, max_ctx=256, max_rows=32)
+    assert r.limits == StepLimits(max_seqs=6, max_rows=32, rows_per_prompt=4, lone_prompt_rows=32)
+    with pytest.raises(ValueError, match="bad runner options: .*max_rows=0"):
+        Runner(tiny_model, max_slots=1, max_ctx=256, max_rows=0)
+
+
+@pytest.mark.parametrize("backend", ["cuda", "hip"])
+def test_gpu_default_limits(backend):
+    """No GPU here: the policy function itself. 512 rows; a lone prompt takes them all, a prompt
+    beside others 64; every resident slot decodes in one step (at least upstream's 6)."""
+    assert default_max_rows(backend) == 512
+    assert default_limits(512, backend, 8) == StepLimits(max_seqs=8, max_rows=512, rows_per_prompt=64,
+                                                         lone_prompt_rows=512)
+    assert default_limits(512, backend, 2).max_seqs == 6
+    assert default_limits(512, backend, 40).max_seqs == 40
+    assert default_limits(16, backend, 8) == StepLimits(max_seqs=8, max_rows=16, rows_per_prompt=16,
+                                                        lone_prompt_rows=16)
+    assert default_limits(4, backend, 8) == StepLimits(max_seqs=4, max_rows=4, rows_per_prompt=4,
+                                                       lone_prompt_rows=4)
+    assert default_limits(1, backend, 1) == StepLimits(max_seqs=1, max_rows=1, rows_per_prompt=1,
+                                                       lone_prompt_rows=1)
 
 
 def test_pages_follow_kv_pool_tokens_or_slots_times_context(tiny_model):

@@ -310,3 +310,36 @@ def test_a_stream_pushed_without_wake_reaches_its_consumer_only_on_wake():
 
     evs = asyncio.run(main())
     assert evs[0] == Delta("content", "b") and isinstance(evs[1], Finished)
+
+
+@pytest.mark.parametrize("mode", [{}, {"temperature": 0.9, "top_k": 40, "seed": 7}], ids=["greedy", "seeded"])
+def test_max_rows_sets_the_rows_a_lone_prompt_prefills_a_step(tiny_model_path, mode):
+    """EngineService.open(max_rows=32): the stats show the limits in force, a lone prompt of ~100
+    tokens takes 32 rows a step (so ceil(n/32) prefill steps, the last one sampling the first
+    token, then one step per further token), and the reply is the one 16 rows a step gives."""
+    text = "The lighthouse stood on a shelf of dark rock where the bay opened to the sea. " * 3
+    request = GenerationRequest(prompt=text, sampling=SamplerConfig(max_tokens=12, ignore_eos=True, **mode))
+    runs = {}
+    for rows in (None, 32):
+        with EngineService.open(tiny_model_path, max_slots=2, max_ctx=1024, max_rows=rows) as svc:
+            got, fin = collect(svc.submit(request))
+            assert wait_until(lambda: not svc.stats().lanes)
+            runs[rows] = (got, fin, svc.stats())
+    for rows, want in ((None, 16), (32, 32)):
+        got, fin, st = runs[rows]
+        n = fin.usage.prompt_tokens
+        assert 90 <= n <= 120 and fin.finish_reason == "length"
+        assert (st.max_rows, st.max_seqs, st.rows_per_prompt, st.lone_prompt_rows) == (want, 6, 4, want)
+        assert st.prompt_tokens_total == n
+        assert st.steps == -(-n // want) + 12 - 1
+    assert runs[None][1].tokens == runs[32][1].tokens and runs[None][0] == runs[32][0]
+
+
+def test_from_args_takes_max_rows_or_the_backends_default(tiny_model_path):
+    from ds4_app.cli import build_parser
+
+    for argv, rows in (([], 16), (["--max-rows", "24"], 24)):
+        args = build_parser().parse_args(["--model", tiny_model_path, "--max-slots", "1", "--max-ctx", "256", *argv])
+        with EngineService.from_args(args) as svc:
+            assert svc.runner.max_rows == rows and svc.scheduler.limits.max_rows == rows
+            assert (svc.stats().max_rows, svc.stats().lone_prompt_rows) == (rows, rows)

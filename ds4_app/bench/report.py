@@ -160,7 +160,10 @@ def markdown(report: dict) -> str:
     lines.append("")
     for arm in report["arms"]:
         e = arm["engine"]
-        what = ", ".join(f"{k} {e[k]}" for k in ("backend", "device", "model") if e.get(k))
+        parts = [f"{k} {e[k]}" for k in ("backend", "device", "model") if e.get(k)]
+        if (e.get("step_limits") or {}).get("max_rows"):
+            parts.append(f"{e['step_limits']['max_rows']} rows a step")
+        what = ", ".join(parts)
         over = ", ".join(f"{k}={v}" for k, v in arm["overrides"].items())
         lines.append(f"## Arm {arm['name']} ({arm['role']}{'; ' + over if over else ''})")
         lines.append("")

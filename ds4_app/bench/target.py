@@ -27,6 +27,7 @@ class TargetSpec:
     max_slots: int = 6
     max_ctx: int = 4096
     kv_pool_tokens: int | None = None
+    max_rows: int | None = None  # rows a step; None: the backend's default (16 cpu, 512 cuda / hip)
     threads: int = 0
     qat_numerics: bool | None = None
     max_queue: int = 64
@@ -54,8 +55,8 @@ class TargetSpec:
         d = asdict(self)
         d.pop("api_key")
         if self.url is not None:
-            for k in ("model", "backend", "max_slots", "max_ctx", "kv_pool_tokens", "threads", "qat_numerics",
-                      "max_queue", "synth_seed"):
+            for k in ("model", "backend", "max_slots", "max_ctx", "kv_pool_tokens", "max_rows", "threads",
+                      "qat_numerics", "max_queue", "synth_seed"):
                 d.pop(k)
         else:
             d.pop("url")
@@ -75,14 +76,18 @@ class OpenTarget:
 
 
 def engine_info(client: EngineClient) -> dict:
-    """Backend, device and model as the target reports them (StatsSnapshot), plus its counters."""
+    """Backend, device, model and step limits as the target reports them (StatsSnapshot; zeros for
+    a remote server that does not say), plus its counters."""
     try:
         s = client.stats()
     except Exception as e:  # noqa: BLE001 - a remote target may not expose stats; the run still counts
         return {"stats_error": f"{type(e).__name__}: {e}"}
     return {
         "backend": s.backend, "device": s.device, "model": s.model, "max_slots": s.max_slots,
-        "max_ctx": s.max_ctx, "pool_pages": s.pool.n_pages, "steps": s.steps,
+        "max_ctx": s.max_ctx, "step_limits": {"max_rows": s.max_rows, "max_seqs": s.max_seqs,
+                                              "rows_per_prompt": s.rows_per_prompt,
+                                              "lone_prompt_rows": s.lone_prompt_rows},
+        "pool_pages": s.pool.n_pages, "steps": s.steps,
         "prompt_tokens_total": s.prompt_tokens_total, "generation_tokens_total": s.generation_tokens_total,
         "requests_finished": s.requests_finished, "evictions": s.pool.evictions,
         "preemptions": s.pool.preemptions, "memory_bytes": dict(s.memory),
@@ -146,7 +151,7 @@ class Targets:
         notes: list[str] = []
         path = self._model_path(spec, notes)
         svc = EngineService.open(path, backend=spec.backend, max_slots=spec.max_slots, max_ctx=spec.max_ctx,
-                                 kv_pool_tokens=spec.kv_pool_tokens, threads=spec.threads,
+                                 kv_pool_tokens=spec.kv_pool_tokens, max_rows=spec.max_rows, threads=spec.threads,
                                  qat_numerics=spec.qat_numerics, max_queue=spec.max_queue)
         return OpenTarget(spec=spec, client=svc, notes=notes)
 

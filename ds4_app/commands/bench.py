@@ -145,9 +145,9 @@ def target_spec(args: argparse.Namespace, max_concurrency: int):
     from ..bench.target import TargetSpec
 
     return TargetSpec(model=args.model, backend=args.backend, max_slots=args.max_slots, max_ctx=args.max_ctx,
-                      kv_pool_tokens=args.kv_pool_tokens, threads=args.threads, qat_numerics=args.qat_numerics,
-                      max_queue=max(64, max_concurrency), synth_seed=args.synth_seed, url=args.url,
-                      api_key=args.api_key, remote_model=args.remote_model)
+                      kv_pool_tokens=args.kv_pool_tokens, max_rows=args.max_rows, threads=args.threads,
+                      qat_numerics=args.qat_numerics, max_queue=max(64, max_concurrency), synth_seed=args.synth_seed,
+                      url=args.url, api_key=args.api_key, remote_model=args.remote_model)
 
 
 def bench_plan(args: argparse.Namespace, levels: tuple[int, ...]):
@@ -213,7 +213,7 @@ def run(args: argparse.Namespace) -> int:
     from ..bench.progress import Progress
     from ..bench.prompts import PromptError, load_prompts
     from ..bench.report import write_reports
-    from ..cli import UserError
+    from ..cli import UserError, check_engine_arguments
 
     parser: argparse.ArgumentParser = args.bench_parser
     try:
@@ -228,6 +228,10 @@ def run(args: argparse.Namespace) -> int:
         overrides: tuple[tuple[str, str], ...] = ()
         if args.compare or args.compare_set:
             cand_args, overrides = apply_overrides(parser, args, args.compare_set)
+            try:
+                check_engine_arguments(cand_args)
+            except UserError as e:
+                raise UserError(f"--compare-set: {e}") from None
             check_synth(cand_args.model)
             arms = bracket(arms[0], target_spec(cand_args, max(levels)), bench_plan(cand_args, levels), overrides)
     except (ValueError, PromptError) as e:

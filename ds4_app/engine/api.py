@@ -206,6 +206,12 @@ class StatsSnapshot:
     memory: tuple[tuple[str, int], ...] = ()
     max_slots: int = 0
     max_ctx: int = 0
+    # The step limits in force (the runner's StepLimits; 0 where unknown, e.g. a remote engine):
+    # rows a step, sequences a step, rows of a prompt beside others, rows of a lone prompt.
+    max_rows: int = 0
+    max_seqs: int = 0
+    rows_per_prompt: int = 0
+    lone_prompt_rows: int = 0
     finished_by_reason: tuple[tuple[str, int], ...] = ()  # (finish_reason, count) since start
 
     @staticmethod

@@ -80,7 +80,8 @@ class StepLimits:
     """How much one step may carry; these belong to the backend and are configurable.
 
     Defaults are upstream's: up to 6 sequences and 16 rows a step, each decoder one row, each
-    concurrent prompt up to 4 rows, a lone prompt with no decoder up to all 16 rows.
+    concurrent prompt up to 4 rows, a lone prompt with no decoder up to all 16 rows. A runner
+    takes its backend's policy from ``runner.default_limits`` (a GPU takes far more rows).
     """
 
     max_seqs: int = 6

@@ -124,16 +124,19 @@ class EngineService:
     @classmethod
     def open(cls, model: str | None = None, *, backend: str = "cpu", max_slots: int = 6, max_ctx: int = 4096,
              kv_pool_tokens: int | None = None, threads: int = 0, qat_numerics: bool | None = None,
-             max_queue: int = 64) -> "EngineService":
-        """Load a model file (default: the embedded model) and start serving it."""
+             max_queue: int = 64, max_rows: int | None = None) -> "EngineService":
+        """Load a model file (default: the embedded model) and start serving it.
+
+        ``max_rows`` is the rows one engine step carries; None takes the backend's default (16 on
+        cpu, 512 on cuda / hip) and with it the backend's step policy (``runner.default_limits``)."""
         from .default_model import resolve_model
         from .gguf_file import ModelFile
         from .runner import Runner
         from .tokenizer import Tokenizer
 
         mf = ModelFile.open(resolve_model(model))
-        runner = Runner(mf, backend=backend, max_slots=max_slots, max_ctx=max_ctx,
-                        kv_pool_tokens=kv_pool_tokens, n_threads=threads, qat_numerics=qat_numerics)
+        runner = Runner(mf, backend=backend, max_slots=max_slots, max_ctx=max_ctx, kv_pool_tokens=kv_pool_tokens,
+                        max_rows=max_rows, n_threads=threads, qat_numerics=qat_numerics)
         tok = Tokenizer.from_metadata(mf.tokenizer_metadata)
         return cls(runner, tok, model_name=os.path.basename(mf.path), max_queue=max_queue)
 
@@ -142,7 +145,7 @@ class EngineService:
         """``open`` with the shared engine options of the command line (cli.add_engine_arguments)."""
         return cls.open(args.model, backend=args.backend, max_slots=args.max_slots, max_ctx=args.max_ctx,
                         kv_pool_tokens=args.kv_pool_tokens, threads=args.threads,
-                        qat_numerics=args.qat_numerics,
+                        qat_numerics=args.qat_numerics, max_rows=args.max_rows,
                         max_queue=max_queue if getattr(args, "max_queue", None) is None else args.max_queue)
 
     def __enter__(self) -> "EngineService":
@@ -548,6 +551,7 @@ class EngineService:
                          preemptions=self.slots.n_preemptions)
         steps, prompt_total, generated, decode_rows, prompt_rows = counts
         mem = getattr(self.runner, "memory_plan", None)
+        lim = self.scheduler.limits  # what the scheduler plans with, not StepLimits' defaults
         snap = StatsSnapshot(
             time=time.time(), lanes=tuple(lanes), pool=pool, queue_len=len(queued),
             n_running=sum(1 for x in lanes if x.state in ("decode", "prefill")),
@@ -557,7 +561,9 @@ class EngineService:
             generation_tokens_total=generated, requests_finished=sum(self._finished.values()),
             backend=self.runner.backend, device=self.runner.device, model=self.model_name,
             memory=tuple(mem.sections.items()) if mem is not None else (), max_slots=self.max_slots,
-            max_ctx=self.max_ctx, finished_by_reason=tuple(sorted(self._finished.items())))
+            max_ctx=self.max_ctx, max_rows=lim.max_rows, max_seqs=lim.max_seqs,
+            rows_per_prompt=lim.rows_per_prompt, lone_prompt_rows=lim.lone_prompt_rows,
+            finished_by_reason=tuple(sorted(self._finished.items())))
         self._published = (snap, counts)
 
 

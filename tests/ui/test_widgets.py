@@ -11,13 +11,14 @@ from textual.app import App, ComposeResult
 from textual.widgets import Collapsible, Markdown
 
 from ds4_app.engine.api import (Delta, EngineUnavailable, Event, Finished, GenerationRequest, LaneStats, QueueFull,
-                                Usage)
+                                StatsSnapshot, Usage)
 from ds4_app.engine.chat import Message
 from ds4_app.ui.bridge import EngineBridge
 from ds4_app.ui.formatting import finish_meta, finish_note, size
 from ds4_app.ui.messages import EarlierRequested, ReplyChunk
 from ds4_app.ui.widgets.chat_message import ChatMessage
 from ds4_app.ui.widgets.earlier_line import EarlierLine
+from ds4_app.ui.widgets.engine_info import describe
 from ds4_app.ui.widgets.lanes_table import LanesTable
 from ds4_app.ui.widgets.stacked_bar import split_cells
 
@@ -265,3 +266,15 @@ def test_finish_note_and_sizes() -> None:
     assert finish_meta(Finished("error", Usage(0, 0), error="boom"))["error"] == "boom"
     assert finish_note({}) == ""
     assert [size(n) for n in (512, 3 * 2**20, 12_500 * 2**20)] == ["512 B", "3.00 MiB", "12.2 GiB"]
+
+
+# ---------------------------------------------------------------- engine info
+def test_engine_info_shows_the_step_limits_in_force() -> None:
+    import dataclasses
+
+    base = dataclasses.replace(StatsSnapshot.empty("cuda", "cuda (H200)", "m.gguf"), max_slots=8, max_ctx=4096)
+    assert "step" not in describe(base)  # limits unknown (a remote engine): no line
+    snap = dataclasses.replace(base, max_rows=512, max_seqs=8, rows_per_prompt=64, lone_prompt_rows=512)
+    lines = describe(snap).splitlines()
+    assert lines[3] == "step    512 rows · 8 seqs · prompt 64 rows, alone 512"
+    assert all(len(line) <= 56 for line in lines)

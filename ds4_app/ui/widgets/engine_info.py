@@ -1,4 +1,4 @@
-"""What the engine is: backend, device, model, limits and its memory plan."""
+"""What the engine is: backend, device, model, slots, step limits and its memory plan."""
 
 from __future__ import annotations
 
@@ -18,6 +18,11 @@ def describe(snapshot: StatsSnapshot, width: int = 56) -> str:
              f"backend {snapshot.backend or '–'} · {snapshot.device or '–'}"]
     if snapshot.max_slots or snapshot.max_ctx:
         lines.append(f"slots   {snapshot.max_slots} × {snapshot.max_ctx} tokens")
+    if snapshot.max_rows:
+        # The step limits in force: rows and sequences a step, the rows of a prompt beside others
+        # and of a lone prompt (a GPU backend takes far more than the CPU's 16).
+        lines.append(f"step    {snapshot.max_rows} rows · {snapshot.max_seqs} seqs · "
+                     f"prompt {snapshot.rows_per_prompt} rows, alone {snapshot.lone_prompt_rows}")
     if snapshot.memory:
         lines.append(f"memory  {size(sum(n for _, n in snapshot.memory))}")
         # One part per line would be long; pack them, never splitting a "name size" pair.
