@@ -21,8 +21,9 @@ namespace ds4::gpu {
 // Where the build or the device has no integer mma.sync (HIP, before sm_90 here) the kernels never
 // run and the getters still report the settings.
 // Pass 11, call 10: 16-row prefill steps 3089 -> 3306 tok/s at 16. Pass 13, call 1: decode at C = 8
-// +9.3% at 8, C = 6 +1.9% at 4 (C = 4 -8.5%), so 6.
-constexpr int kImmaDefaultCols = 6;
+// +9.3% at 8, C = 6 +1.9% at 4 (C = 4 -8.5%), so 6. GPU pass 20, call 2 (one process, the narrow
+// tile of pass 15-19): at 4, C = 4 +3.6%, C = 6-8 and prompt steps of 16-2048 rows within 1%, so 4.
+constexpr int kImmaDefaultCols = 4;
 // Pass 13, call 1 (ncu, C = 8): the narrow tile is slower than the SIMT kernels on q_a (1024 rows),
 // kv (512) and the shared expert's gate and up (2048): a block per 64 rows is too few blocks.
 constexpr int kImmaDefaultNarrowRows = 4096;
