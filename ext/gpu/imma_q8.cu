@@ -13,8 +13,8 @@
 //
 // with KS = matvec_kslices(rows, units). Here the integer sums come from mma.sync
 // m16n8k32.s8.s8.s32: A = 16 rows x one unit's 32 q, B = one unit's plane bytes x 8 columns. An
-// integer sum is exact in any order, so S1, T and S2 are the dp4a chains' integers (T = 2^8 S1 + S0,
-// |T| < 2^28: the p0 product accumulated onto 2^8 S1, or added to it). Everything after them is
+// integer sum is exact in any order, so S1, T and S2 are the dp4a chains' integers (T: the p1
+// product, times 2^8, is the C operand of the p0 product; |T| < 2^28). Everything after them is
 // the same float operations in the same order:
 //
 // - "Virtual lanes": unit u belongs to lane v = u % 32 of k-slice (u / 32) % KS. Warp w of the
@@ -91,19 +91,17 @@ struct ImmaShape {
 
 #if defined(DS4_IMMA)
 
-// The 8 q bytes 8t..8t+7 of the unit whose 34 bytes start at `unit` (shared memory) as two words (q
-// word 2t, 2t + 1), and its d_256 (Unit<kQ8_0>::set_scale). A stage and a row pitch are multiples of
-// 4 bytes, so the q bytes start on a 4-byte boundary for lane v odd (34 v = 2 mod 4) and 2 bytes
-// past one for v even; sel (unit_q_sel(v)) picks the words' bytes from three aligned words. Plain
-// offsets from the shared pointer: casting it to an integer had made every read a generic load
-// with 64-bit address arithmetic.
-__device__ __forceinline__ uint32_t unit_q_sel(int v) { return (v & 1) ? 0x3210u : 0x5432u; }
-__device__ __forceinline__ void unit_q(const uint8_t* unit, int t, uint32_t sel, uint32_t* lo, uint32_t* hi,
-                                       float* d_256) {
-  // 8t + 2 rounded down to a word: 8t + 2 (v odd) or 8t (v even). Reading w[2] stays inside the
-  // row's pitch (the last unit's third word ends at byte 34 * 31 + 38 < kImmaPitch).
-  const uint32_t* w = reinterpret_cast<const uint32_t*>(unit + 8 * t + (sel == 0x3210u ? 2 : 0));
-  const uint32_t w0 = w[0], w1 = w[1], w2 = w[2];
+// The 8 q bytes 8t..8t+7 of lane v's unit, whose 34 bytes start at `unit` (shared memory), as two
+// words (q word 2t, 2t + 1), and its d_256 (Unit<kQ8_0>::set_scale). A stage and a row pitch are
+// multiples of 4 bytes, so the q bytes start on a 4-byte boundary for v odd (34 v = 2 mod 4) and 2
+// bytes past one for v even: three aligned words, their bytes picked by v's parity. Plain offsets
+// from the shared pointer: casting it to an integer had made every read a generic load with 64-bit
+// address arithmetic.
+__device__ __forceinline__ void unit_q(const uint8_t* unit, int v, int t, uint32_t* lo, uint32_t* hi, float* d_256) {
+  const int odd = v & 1;
+  // Reading w[2] stays inside the row's pitch (the last unit's third word ends at byte 34 * 31 + 38).
+  const uint32_t* w = reinterpret_cast<const uint32_t*>(unit + 8 * t + 2 * odd);
+  const uint32_t sel = odd ? 0x3210u : 0x5432u, w0 = w[0], w1 = w[1], w2 = w[2];
   *lo = ds4_byte_perm(w0, w1, sel);
   *hi = ds4_byte_perm(w1, w2, sel);
   *d_256 = half_bits_to_float(*reinterpret_cast<const unsigned short*>(unit)) * 0.00390625f;
@@ -220,7 +218,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       for (int h = 0; h < 2; ++h) {
         const uint8_t* unit = chunk + (16 * mt + g + 8 * h) * kImmaPitch + 34 * v;
         uint32_t lo, hi;
-        unit_q(unit, t, unit_q_sel(v), &lo, &hi, &d[mt][h]);
+        unit_q(unit, v, t, &lo, &hi, &d[mt][h]);
         A[mt][h] = lo;      // a0 / a1: rows g / g + 8, k-slots 4t..4t+3
         A[mt][2 + h] = hi;  // a2 / a3: k-slots 16 + 4t..
       }
@@ -235,22 +233,12 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       }
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        // T = 2^8 S1 + S0, the same integer either way (|T| < 2^28). The narrow tile forms it after
-        // three independent products, so none waits for another; the wide one (8 n-tile products in
-        // flight) accumulates the p0 product onto 2^8 S1, which keeps it within its registers.
         const int zero4[4] = {0, 0, 0, 0};
         int s1[4], tt[4], s2[4];
         mma_s8_k32(s1, A[mt], bn.b1.x, bn.b1.y, zero4);
-        if constexpr (NT == 1) {
-          int s0[4];
-          mma_s8_k32(s0, A[mt], bn.b0.x, bn.b0.y, zero4);
 #pragma unroll
-          for (int e = 0; e < 4; ++e) tt[e] = s1[e] * 256 + s0[e];
-        } else {
-#pragma unroll
-          for (int e = 0; e < 4; ++e) s1[e] *= 256;
-          mma_s8_k32(tt, A[mt], bn.b0.x, bn.b0.y, s1);
-        }
+        for (int e = 0; e < 4; ++e) s1[e] *= 256;
+        mma_s8_k32(tt, A[mt], bn.b0.x, bn.b0.y, s1);
         mma_s8_k32(s2, A[mt], bn.b2.x, bn.b2.y, zero4);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
