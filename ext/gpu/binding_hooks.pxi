@@ -39,6 +39,8 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
                                                           int32_t* out) except +
     void gpu_route "ds4::gpu::testing::route"(const float* logits, int n, int n_expert, int k, const float* bias,
                                               cbool norm, float scale, int32_t* ids, float* weights) except +
+    int gpu_expert_parts "ds4::gpu::testing::expert_parts"(const int32_t* pair_expert, int n_pairs, int n_expert,
+                                                         int max_part, int32_t* sorted, int32_t* parts) except +
     cbool gpu_router_route "ds4::gpu::testing::router_route"(
         const TensorView& W, const float* X, int n, const int32_t* tid2eid, int64_t n_vocab, const int32_t* tokens,
         const float* bias, int k, cbool norm, float scale, int max_part, int repeat, float* logits, int32_t* ids,
@@ -459,6 +461,24 @@ def _t_gpu_route(logits, bias, int k, norm=True, float scale=1.0):
     return ids, w
 
 
+def _t_gpu_expert_parts(pair_expert, int n_expert, int max_part=8):
+    """build_expert_parts (ext/gpu/ds4_gpu.h) on pair_expert [n_pairs]: returns (sorted [n_pairs], -1
+    past the valid pairs; parts [n_parts, 3] of (expert, first, count))."""
+    pe = np.ascontiguousarray(pair_expert, dtype=np.int32).reshape(-1)
+    if pe.shape[0] == 0:
+        raise ValueError("pair_expert must hold at least one pair")
+    cdef int n = pe.shape[0]
+    so = np.zeros(n, dtype=np.int32)
+    parts = np.zeros((n, 3), dtype=np.int32)
+    cdef const int32_t[::1] pv = pe
+    cdef int32_t[::1] sv = so
+    cdef int32_t[:, ::1] av = parts
+    cdef int count
+    with nogil:
+        count = gpu_expert_parts(&pv[0], n, n_expert, max_part, &sv[0], &av[0, 0])
+    return so, parts[:count]
+
+
 def _t_gpu_router_route(int w_type, w_raw, X, bias, int k, tokens, tid2eid=None, norm=True, float scale=1.0,
                         int max_part=8, int repeat=1):
     """The fused router (ext/gpu/ds4_gpu.h router_route): w_raw the [d, E] router's bytes of ggml type
@@ -602,4 +622,5 @@ _GPU_TESTING = dict(
     gpu_route=_t_gpu_route,
     gpu_hc_site=_t_gpu_hc_site,
     gpu_router_route=_t_gpu_router_route,
+    gpu_expert_parts=_t_gpu_expert_parts,
 )

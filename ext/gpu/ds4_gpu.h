@@ -186,6 +186,10 @@ void qat_rows(int kind, float* X, int n_rows, int n);
 // bias [n_expert]; ids and weights [n][k] out.
 void route(const float* logits, int n, int n_expert, int k, const float* bias, bool norm, float scale, int32_t* ids,
            float* weights);
+// build_expert_parts on host arrays: pair_expert [n_pairs] in; sorted [n_pairs] (-1 past the valid
+// pairs) and parts [n_pairs][3] (expert, first, count) out; returns the count of parts.
+int expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part, int32_t* sorted,
+                 int32_t* parts);
 // The fused router (router_route) on host arrays: W [d, E], X [n][d]; tid2eid [n_vocab][k] (a hash
 // layer's experts of tokens[n]) or null (the biased top-k, bias [E]); out: logits [n][E], ids and
 // weights [n][k], sorted [n k], parts [n k][3] (expert, first, count), n_parts [1]. Launches it
@@ -234,6 +238,7 @@ inline void attention_sink(const float*, const uint16_t*, int64_t, const int32_t
 inline void argmax_rows(const float*, int, int64_t, int32_t*) { no_backend(); }
 inline void qat_rows(int, float*, int, int) { no_backend(); }
 inline void route(const float*, int, int, int, const float*, bool, float, int32_t*, float*) { no_backend(); }
+inline int expert_parts(const int32_t*, int, int, int, int32_t*, int32_t*) { no_backend(); }
 inline bool router_route(const TensorView&, const float*, int, const int32_t*, int64_t, const int32_t*, const float*,
                          int, bool, float, int, int, float*, int32_t*, float*, int32_t*, int32_t*, int32_t*) {
   no_backend();

@@ -259,6 +259,23 @@ void route(const float* logits, int n, int n_expert, int k, const float* bias, b
   w.download(weights);
 }
 
+int expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part, int32_t* sorted,
+                 int32_t* parts) {
+  if (n_pairs < 1) throw std::invalid_argument("testing::expert_parts: need at least one pair");
+  const size_t n = static_cast<size_t>(n_pairs);
+  Buffer pe(pair_expert, n * 4), so(n * 4), pa(n * sizeof(ExpertPart)), np(4);
+  std::vector<int32_t> fill(n, -1);
+  so.upload(fill.data());
+  build_expert_parts(pe.as<int32_t>(), n_pairs, n_expert, max_part, so.as<int32_t>(), pa.as<ExpertPart>(),
+                     np.as<int32_t>(), nullptr);
+  sync();
+  int32_t count = 0;
+  np.download(&count);
+  so.download(sorted);
+  pa.download(parts);
+  return count;
+}
+
 bool router_route(const TensorView& W, const float* X, int n, const int32_t* tid2eid, int64_t n_vocab,
                   const int32_t* tokens, const float* bias, int k, bool norm, float scale, int max_part, int repeat,
                   float* logits, int32_t* ids, float* weights, int32_t* sorted, int32_t* parts, int32_t* n_parts) {

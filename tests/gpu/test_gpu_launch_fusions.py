@@ -16,7 +16,8 @@ its top-k layers and its CSA layer past the indexer's top-k.
 
 Marked ``gpu``. Hook (``_testing``): ``gpu_router_route(w_type, w_raw, X, bias, k, tokens,
 tid2eid=None, norm=True, scale=1.0, max_part=8, repeat=1) -> (logits, ids, weights, sorted, parts)``
-or None where the fused router does not take the shape.
+or None where the fused router does not take the shape; ``gpu_expert_parts(pair_expert, n_expert,
+max_part=8) -> (sorted, parts)``, build_expert_parts alone.
 """
 
 from __future__ import annotations
@@ -53,6 +54,30 @@ def parts_of(ids: np.ndarray, n_expert: int, max_part: int):
             parts.append((e, first + c0, min(max_part, count - c0)))
         first += count
     return order, np.array(parts, dtype=np.int32).reshape(-1, 3)
+
+
+# (pairs, experts, max_part): one chunk of build_parts_kernel's 256 threads; the chunk edges; a
+# 2048-row prompt step of flash-l4 (12,288 pairs over 256 experts); three experts, long runs.
+PARTS = [(40, 256, 8), (255, 16, 8), (256, 16, 3), (257, 16, 8), (12288, 256, 8), (5000, 3, 8)]
+
+
+@pytest.mark.parametrize("n_pairs, n_expert, max_part", PARTS, ids=[f"{p}p-{e}e-{m}" for p, e, m in PARTS])
+def test_build_parts_is_a_stable_sort_by_expert(n_pairs: int, n_expert: int, max_part: int) -> None:
+    """build_expert_parts (routing.cuh build_parts_block, which ranks the pairs a chunk of its
+    threads at a time since pass 21) writes a stable sort by expert: the sorted pairs and the parts
+    of parts_of, over skewed counts, with invalid experts (-1, n_expert) left out of every part and
+    the sorted list's tail untouched."""
+    rng = np.random.default_rng(n_pairs)
+    pe = (rng.zipf(1.3, n_pairs) % n_expert).astype(np.int32)
+    pe[::97] = -1
+    pe[5::101] = n_expert
+    order, parts = T.gpu_expert_parts(pe, n_expert, max_part)
+    valid = (pe >= 0) & (pe < n_expert)
+    want_order, want_parts = parts_of(np.where(valid, pe, n_expert), n_expert, max_part)
+    n_valid = int(valid.sum())
+    assert np.array_equal(order[:n_valid], want_order[:n_valid])
+    assert np.all(order[n_valid:] == -1)
+    assert np.array_equal(parts, want_parts)
 
 
 @pytest.mark.parametrize("ggml_type", [F16, BF16, F32])
