@@ -377,6 +377,7 @@ def main() -> int:
     ap.add_argument("--profile-rows", type=int, default=64, help="prompt rows of the profiled prefill steps")
     ap.add_argument("--prefill-rows", default="16,64",
                     help="prompt rows a prefill step, comma-separated (the runner's max_rows is the largest, at least 64)")
+    ap.add_argument("--prefill-only", action="store_true", help="stop after the prefill figures")
     args = ap.parse_args()
     result: dict = {"model": args.model}
     try:
@@ -426,6 +427,8 @@ def main() -> int:
     runner.reset_slot(SLOTS - 1)
     runs.reset()
     save()
+    if args.prefill_only:
+        return 0
 
     nxt, pos = {}, {}
     for s in range(SLOTS):
