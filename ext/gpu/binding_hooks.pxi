@@ -68,7 +68,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"() except +
+    int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
 
@@ -292,9 +292,16 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     return v // 4, bool(v & 1), bool(v & 2)
 
 
-def _t_gpu_imma_launches():
-    """Launches of the integer tensor-core kernel so far in this process."""
-    return int(gpu_imma_launches())
+IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_warps8", "q4k_warps16")  # imma.h ImmaPath, in order
+
+
+def _t_gpu_imma_launches(path="all"):
+    """Launches of the integer tensor-core kernels so far in this process: all of them, or those on
+    one path (IMMA_PATHS: the Q8_0 tiles' weights by cp.async or by bulk copies, the grouped Q4_K
+    kernel's 8- or 16-warp blocks)."""
+    if path != "all" and path not in IMMA_PATHS:
+        raise ValueError(f"gpu_imma_launches: path must be 'all' or one of {', '.join(IMMA_PATHS)}, not {path!r}")
+    return int(gpu_imma_launches(-1 if path == "all" else IMMA_PATHS.index(path)))
 
 
 def _t_gpu_set_planes_fused(on):

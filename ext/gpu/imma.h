@@ -44,8 +44,12 @@ int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
 
-// Counts a launch of either kernel (testing::imma_launches).
-void imma_count_launch();
+// The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
+// the Q8_0 tiles' weights by cp.async or by the bulk copy engine (DS4_GPU_MV_IMMA_BULK), the grouped
+// Q4_K kernel's 8- or 16-warp block (DS4_GPU_IMMA_Q4K_WARPS).
+enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4kWarps8, kImmaQ4kWarps16, kImmaPaths };
+// Counts a launch of either kernel on that path.
+void imma_count_launch(ImmaPath path);
 
 // Raise the kernels' shared-memory limits (once; matvec_prepare calls imma_prepare, which calls
 // imma_q4k_prepare, before any graph capture). False where a kernel cannot run.

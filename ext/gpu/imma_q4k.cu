@@ -328,12 +328,13 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
            W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
            static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
   };
-  if (grouped_warps() == 8)
+  const bool eight = grouped_warps() == 8;
+  if (eight)
     go(GqShape<8>{});
   else
     go(GqShape<16>{});
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
-  imma_count_launch();
+  imma_count_launch(eight ? kImmaQ4kWarps8 : kImmaQ4kWarps16);
   return true;
 #else
   (void)W, (void)units, (void)parts, (void)n_parts, (void)max_parts, (void)sorted_pairs, (void)x_row, (void)planes,

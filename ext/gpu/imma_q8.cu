@@ -67,7 +67,7 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
-std::atomic<int64_t> g_imma_launches{0};  // launches so far (tests: the kernel did run)
+std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
 constexpr int kImmaThreads = kImmaWarps * DS4_WARP;
@@ -399,7 +399,7 @@ bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_
 // same bits either way, so not part of the graph key).
 static bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
 
-void imma_count_launch() { g_imma_launches.fetch_add(1, std::memory_order_relaxed); }
+void imma_count_launch(ImmaPath path) { g_imma_launches[path].fetch_add(1, std::memory_order_relaxed); }
 
 bool imma_prepare() {
 #if defined(DS4_IMMA)
@@ -437,7 +437,13 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int64_t imma_launches() { return g_imma_launches.load(std::memory_order_relaxed); }
+int64_t imma_launches(int path) {
+  if (path < -1 || path >= kImmaPaths) throw std::invalid_argument("imma_launches: path must be -1..3");
+  int64_t n = 0;
+  for (int p = 0; p < kImmaPaths; ++p)
+    if (path == -1 || path == p) n += g_imma_launches[p].load(std::memory_order_relaxed);
+  return n;
+}
 }  // namespace testing
 
 bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_member, const uint8_t* P,
@@ -479,13 +485,14 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
       go(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>{});
     }
   };
-  if (matvec_imma_bulk()) {
+  const bool bulk = matvec_imma_bulk();
+  if (bulk) {
     pick(std::true_type{});
   } else {
     pick(std::false_type{});
   }
   DS4_GPU_CHECK_LAUNCH("imma_q8_kernel");
-  imma_count_launch();
+  imma_count_launch(bulk ? kImmaQ8Bulk : kImmaQ8CpAsync);
   return true;
 #else
   (void)W, (void)units, (void)n_batch, (void)w_member, (void)P, (void)ldp, (void)ncols, (void)Y, (void)y_member,

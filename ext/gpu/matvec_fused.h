@@ -193,8 +193,10 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // set_matvec_imma_narrow(min_rows, ahead, persist) (imma.h: -1 the default); returns
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
-// Launches of the integer tensor-core kernel so far in this process (a test's proof that it ran).
-int64_t imma_launches();
+// Launches of the integer tensor-core kernels so far in this process (a test's proof that they ran):
+// path -1 all of them, else those on one ImmaPath (imma.h: 0 Q8_0 by cp.async, 1 Q8_0 by bulk
+// copies, 2 grouped Q4_K in 8-warp blocks, 3 in 16-warp blocks).
+int64_t imma_launches(int path);
 // Launches of the planes prep kernel so far in this process (what the producer-built planes save).
 int64_t planes_prep_launches();
 }  // namespace testing
@@ -216,7 +218,7 @@ inline bool set_planes_fused(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
 inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int set_matvec_imma_narrow(int, int, int) { no_backend(); }
-inline int64_t imma_launches() { no_backend(); }
+inline int64_t imma_launches(int) { no_backend(); }
 inline int64_t planes_prep_launches() { no_backend(); }
 }  // namespace testing
 
