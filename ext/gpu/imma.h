@@ -46,8 +46,8 @@ bool matvec_imma_persist();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
 // the Q8_0 tiles' weights by cp.async or by the bulk copy engine (DS4_GPU_MV_IMMA_BULK), the grouped
-// Q4_K kernel's 8- or 16-warp block (DS4_GPU_IMMA_Q4K_WARPS).
-enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4kWarps8, kImmaQ4kWarps16, kImmaPaths };
+// Q4_K kernel.
+enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4k, kImmaPaths };
 // Counts a launch of either kernel on that path.
 void imma_count_launch(ImmaPath path);
 

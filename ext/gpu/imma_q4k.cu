@@ -31,7 +31,6 @@
 // must move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "imma.cuh"
 #include "imma.h"
@@ -44,54 +43,41 @@ namespace ds4::gpu {
 
 namespace {
 
-// The block's shape, by its warps: 8 warps of four virtual lanes and 2 m-tiles a warp (32 rows, two
-// blocks an SM; passes 11-20), or 16 warps of two virtual lanes and 4 m-tiles (64 rows, one block an
-// SM; pass 21: half the planes' shared copies per weight row, the same registers a thread).
-template <int WARPS>
-struct GqShape {
-  static_assert(WARPS == 8 || WARPS == 16, "8 or 16 warps");
-  static constexpr int kWarps = WARPS;
-  static constexpr int kThreads = WARPS * DS4_WARP;
-  static constexpr int kLanes = 32 / WARPS;                 // virtual lanes a warp (blocks k of a chunk)
-  static constexpr int kMT = WARPS / 4;                     // m-tiles of 16 rows a warp
-  static constexpr int kRows = 16 * kMT;                    // rows a block
-  static constexpr int kCols = 8;                           // one n-tile: a part's pairs
-  static constexpr int kChunk = 4 * 144;                    // a row's bytes of 32 units
-  static constexpr int kPitch = kChunk + 16;                // shared row pitch (spreads the banks)
-  static constexpr int kStage = kRows * kPitch;             // one copy stage
-  static constexpr int kRedPitch = kCols + 1;
-  static constexpr int kRed = kRows * kRedPitch;            // one warp's sums (floats)
-  static constexpr int kRedBytes = WARPS * kRed * 4;
-  static constexpr int kPlanePitch = 32 * kPlaneBytes + 16;  // a column's 32 records (padded: banks)
-  static constexpr int kPlaneStage = kCols * kPlanePitch;    // the part's planes of one chunk
-  // Two weight stages, the sums (and scales), two planes stages: ~102 KB (8 warps, two blocks an
-  // SM) or ~170 KB (16 warps).
-  static constexpr int kSmem = 2 * kStage + kRedBytes + 2 * kPlaneStage;
-  static constexpr int kScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
-  static constexpr int kBlocksPerSm = WARPS == 8 ? 2 : 1;
-  static_assert(kRows * kScalePitch * 16 <= kRedBytes, "the scales fit the sums' space");
-  static_assert(kRows * kCols == kThreads, "a thread stores one output");
-  static_assert(kCols == kMaxPartCols, "one n-tile holds a whole part");
-};
-
+constexpr int kGqWarps = 8;
+constexpr int kGqThreads = kGqWarps * DS4_WARP;
+constexpr int kGqMT = 2;                      // m-tiles of 16 rows a warp
+constexpr int kGqRows = 16 * kGqMT;           // rows a block
+constexpr int kGqCols = 8;                    // one n-tile: a part's pairs
+constexpr int kGqChunk = 4 * 144;             // a row's bytes of 32 units
+constexpr int kGqPitch = kGqChunk + 16;       // shared row pitch (spreads the banks)
+constexpr int kGqStage = kGqRows * kGqPitch;  // one copy stage
+constexpr int kGqOut = kGqRows * kGqCols;
+constexpr int kGqRedPitch = kGqCols + 1;
+constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
+constexpr int kGqRedBytes = kGqWarps * kGqRed * 4;
+constexpr int kGqPlanePitch = 32 * kPlaneBytes + 16;   // a column's 32 records (padded: banks)
+constexpr int kGqPlaneStage = kGqCols * kGqPlanePitch;  // the part's planes of one chunk
+// Two weight stages, the sums (and scales), two planes stages: ~102 KB, two blocks an SM.
+constexpr int kGqSmem = 2 * kGqStage + kGqRedBytes + 2 * kGqPlaneStage;
+constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
+static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
 constexpr int64_t kImmaGroupedMinExperts = 128;  // imma_q4k_takes counts at least this many experts
+static_assert(kGqOut == kGqThreads, "a thread stores one output");
+static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
 
 #if defined(DS4_IMMA)
 
-template <int WARPS>
-__global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlocksPerSm)
+__global__ void __launch_bounds__(kGqThreads)
     imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
                             int units, int ks, const ExpertPartDev* __restrict__ parts,
                             const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                             const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
                             float* __restrict__ Y, int64_t ldy) {
-  using S = GqShape<WARPS>;
-  constexpr int kL = S::kLanes, kMT = S::kMT;
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ int32_t xrow[S::kCols];  // the part's X rows (past its count: its last column's)
-  float* red = reinterpret_cast<float*>(smem + 2 * S::kStage);
-  uint8_t* planes_s = smem + 2 * S::kStage + S::kRedBytes;
+  __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
+  float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  uint8_t* planes_s = smem + 2 * kGqStage + kGqRedBytes;
   // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
   float4* scales = reinterpret_cast<float4*>(red);
   // The parts come from the planner just before: wait for it first.
@@ -103,10 +89,9 @@ __global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlo
     const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
     const int g = lane >> 2, t = lane & 3;
     const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
-    const int kb = warp >> 3;                        // its blocks of a chunk: kb, kb + 32 / WARPS, ...
     const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
-    const int r0 = static_cast<int>(blockIdx.x) * S::kRows;
-    if (threadIdx.x < S::kCols) {
+    const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
+    if (threadIdx.x < kGqCols) {
       const int j = static_cast<int>(threadIdx.x);
       const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
       xrow[j] = x_row != nullptr ? x_row[pair] : pair;
@@ -118,33 +103,34 @@ __global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlo
     // part's columns, into stage `stage`.
     auto issue = [&](int q, int stage) {
       const int left = units - 32 * q < 32 ? units - 32 * q : 32;  // units % 8 == 0: whole 144-byte blocks
-      const uint8_t* wq = We + static_cast<int64_t>(q) * S::kChunk;
-      copy_runs<S::kThreads, S::kChunk / 16>(smem + stage * S::kStage, S::kPitch, S::kRows, left * 18 / 16,
-                                            [=](int r) { return wq + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes; });
+      const uint8_t* wq = We + static_cast<int64_t>(q) * kGqChunk;
+      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, [=](int r) {
+        return wq + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes;
+      });
       const int64_t pq = static_cast<int64_t>(q) * 32 * kPlaneBytes;
-      copy_runs<S::kThreads, 32 * kPlaneBytes / 16>(planes_s + stage * S::kPlaneStage, S::kPlanePitch, S::kCols,
-                                                    left * (kPlaneBytes / 16),
-                                                    [=](int j) { return planes + xrow[j] * ldp + pq; });
+      copy_runs<kGqThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
+                                                   left * (kPlaneBytes / 16),
+                                                   [=](int j) { return planes + xrow[j] * ldp + pq; });
       ds4_cp_async_commit();
     };
 
-    float acc[kL][kMT][4];
+    float acc[4][kGqMT][4];
     float ys[kGqMaxSlices] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto zero = [&] {
   #pragma unroll
-      for (int k = 0; k < kL; ++k)
+      for (int k = 0; k < 4; ++k)
   #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kGqMT; ++mt)
   #pragma unroll
           for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
     };
 
-    // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into its virtual lane's sums a.
-    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kMT][4]) {
+    // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
+    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kGqMT][4]) {
       // The chunk's X units of the low and high nibbles: 8k + 2 cpos and the next one.
       const int xa = 8 * k + 2 * cpos;
       uint32_t blo[3], bhi[3];
-      const uint8_t* rb = pl_s + g * S::kPlanePitch + kPlaneBytes * xa + 16 * h + 4 * t;
+      const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 16 * h + 4 * t;
   #pragma unroll
       for (int pl = 0; pl < 3; ++pl) {
         blo[pl] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl);
@@ -153,24 +139,24 @@ __global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlo
       float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
   #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint8_t* rc = pl_s + (2 * t + j) * S::kPlanePitch + kPlaneBytes * xa + kPlaneScaleOff;
+        const uint8_t* rc = pl_s + (2 * t + j) * kGqPlanePitch + kPlaneBytes * xa + kPlaneScaleOff;
         slo[j] = *reinterpret_cast<const float*>(rc) * 0.00390625f;  // exact
         mlo[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + 4 + 4 * h));
         shi[j] = *reinterpret_cast<const float*>(rc + kPlaneBytes) * 0.00390625f;
         mhi[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h));
       }
   #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kGqMT; ++mt) {
         uint32_t alo[2], ahi[2];
         float dl0[2], ml0[2], dl1[2], ml1[2];
   #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int row = 16 * mt + g + 8 * rr;
-          const uint32_t qw = *reinterpret_cast<const uint32_t*>(chunk + row * S::kPitch + 144 * k + 16 + 32 * cpos +
-                                                                 16 * h + 4 * t);
+          const uint32_t qw =
+              *reinterpret_cast<const uint32_t*>(chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 16 * h + 4 * t);
           alo[rr] = qw & 0x0f0f0f0fu;
           ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
-          const float4 f = scales[row * S::kScalePitch + 4 * k + cpos];
+          const float4 f = scales[row * kGqScalePitch + 4 * k + cpos];
           dl0[rr] = f.x, ml0[rr] = f.y, dl1[rr] = f.z, ml1[rr] = f.w;
         }
         const int zero4[4] = {0, 0, 0, 0};
@@ -202,44 +188,40 @@ __global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlo
     for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
       const int nq = static_cast<int>(chunk_after(q, ks, n_chunks));
       next_stage(nq, stage, issue);
-      const uint8_t* chunk = smem + stage * S::kStage;
-      const uint8_t* pl_s = planes_s + stage * S::kPlaneStage;
+      const uint8_t* chunk = smem + stage * kGqStage;
+      const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
       // the row's end gives values no unit reads).
-      for (int i = static_cast<int>(threadIdx.x); i < S::kRows * 16; i += S::kThreads) {
+      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
         const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
-        const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * S::kPitch + 144 * k);
+        const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
         float4 f;
         q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
-        scales[row * S::kScalePitch + 4 * k + c] = f;
+        scales[row * kGqScalePitch + 4 * k + c] = f;
       }
       __syncthreads();
   #pragma unroll
-      for (int i = 0; i < kL; ++i) {
-        const int k = kb + i * (4 / kL);
-        if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[i]);  // unit 32q + 8k + w < units (units % 8 == 0)
-      }
+      for (int k = 0; k < 4; ++k)
+        if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
       __syncthreads();  // the stage is free before it is filled again
       const int s_now = q % ks;
       if (nq < 0 || nq % ks != s_now) {
-        // The slice's butterfly: the warp's first levels in registers (8 warps: lanes w, w + 8,
-        // w + 16, w + 24 into B_w; 16 warps: lanes w and w + 16 into A_w), the rest through shared
-        // memory.
+        // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
+        // shared memory.
   #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kGqMT; ++mt)
   #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
-            red[warp * S::kRed + row * S::kRedPitch + col] =
-                kL == 4 ? (acc[0][mt][e] + acc[kL / 2][mt][e]) + (acc[1][mt][e] + acc[kL - 1][mt][e])
-                        : acc[0][mt][e] + acc[kL - 1][mt][e];
+            red[warp * kGqRed + row * kGqRedPitch + col] =
+                (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
           }
         __syncthreads();
         const int o = static_cast<int>(threadIdx.x);
-        const int at = (o / S::kCols) * S::kRedPitch + o % S::kCols;
+        const int at = (o / kGqCols) * kGqRedPitch + o % kGqCols;
         float b[8];
   #pragma unroll
-        for (int w = 0; w < 8; ++w) b[w] = WARPS == 8 ? red[w * S::kRed + at] : red[w * S::kRed + at] + red[(w + 8) * S::kRed + at];
+        for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
         const float y = butterfly_of_eight(b);
   #pragma unroll
         for (int s = 0; s < kGqMaxSlices; ++s)
@@ -251,7 +233,7 @@ __global__ void __launch_bounds__(GqShape<WARPS>::kThreads, GqShape<WARPS>::kBlo
       stage ^= 1;
     }
     const int o = static_cast<int>(threadIdx.x);
-    const int row = r0 + o / S::kCols, col = o % S::kCols;
+    const int row = r0 + o / kGqCols, col = o % kGqCols;
     if (row < rows && col < pt.count)
       Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
     __syncthreads();  // every warp is done with this part's shared memory before the next one's copies
@@ -280,24 +262,11 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #endif
 }
 
-#if defined(DS4_IMMA)
-// The block shape the grouped product takes: DS4_GPU_IMMA_Q4K_WARPS (8 or 16; default 16), read once.
-static int grouped_warps() {
-  static const int warps = [] {
-    const char* e = std::getenv("DS4_GPU_IMMA_Q4K_WARPS");
-    return e != nullptr && std::atoi(e) == 8 ? 8 : 16;
-  }();
-  return warps;
-}
-#endif
-
 bool imma_q4k_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel<8>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         GqShape<8>::kSmem) == cudaSuccess &&
-                    cudaFuncSetAttribute(imma_q4k_grouped_kernel<16>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         GqShape<16>::kSmem) == cudaSuccess;
+    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return ok;
   }();
@@ -317,24 +286,15 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   if (!imma_q4k_prepare()) return false;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
-  // Blocks for about four waves of the SMs' resident blocks, each working its share of the parts.
-  auto go = [&](auto shape) {
-    using S = decltype(shape);
-    const int64_t row_blocks = (rows + S::kRows - 1) / S::kRows;
-    const int64_t part_blocks =
-        std::min<int64_t>(max_parts, std::max<int64_t>(1, 4 * S::kBlocksPerSm * device_sms() / row_blocks));
-    const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-    launch(imma_q4k_grouped_kernel<S::kWarps>, grid, S::kThreads, S::kSmem, stream, W.data, W.row_bytes() * rows,
-           W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
-           static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
-  };
-  const bool eight = grouped_warps() == 8;
-  if (eight)
-    go(GqShape<8>{});
-  else
-    go(GqShape<16>{});
+  // Blocks for about eight of each SM's two resident blocks, each working its share of the parts.
+  const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
+  const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
+  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
+  launch(imma_q4k_grouped_kernel, grid, kGqThreads, kGqSmem, stream, W.data, W.row_bytes() * rows, W.row_bytes(),
+         static_cast<int>(rows), static_cast<int>(units), ks, static_cast<const ExpertPartDev*>(parts), n_parts,
+         sorted_pairs, x_row, planes, ldp, Y, ldy);
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
-  imma_count_launch(eight ? kImmaQ4kWarps8 : kImmaQ4kWarps16);
+  imma_count_launch(kImmaQ4k);
   return true;
 #else
   (void)W, (void)units, (void)parts, (void)n_parts, (void)max_parts, (void)sorted_pairs, (void)x_row, (void)planes,

@@ -5,9 +5,9 @@ Marked ``gpu``. Hooks (``_testing``): ``gpu_set_matvec_imma(min_cols) -> int`` (
 Q8_0 product takes the tensor cores from, 0 never), ``gpu_set_matvec_imma_grouped(min_pairs) -> int``
 (the fewest pairs per expert a grouped Q4_K product takes them from), both process-wide, and
 ``gpu_imma_launches(path="all")`` (the kernels' launches so far, all or on one path, so every test
-here proves they ran, and on which path). The
-kernels compute the integer sums of each unit (half unit for Q4_K) with mma.sync and then the SIMT
-lanes' float operations in their order (virtual lanes, the butterfly, the k-slice tree), so a
+here proves they ran, and on which path). The kernels compute the integer sums of each unit (half
+unit for Q4_K) with mma.sync and then the SIMT lanes' float operations in their order (virtual
+lanes, the butterfly, the k-slice tree), so a
 product must be bit-identical on either kernel, at every width, for every k-slice count and
 partial chunk, for batched members, for the products of matvec_multi, for every pair of a grouped
 product, and in the engine.
@@ -116,29 +116,13 @@ from ds4_app.engine import _native
 T = _native._testing
 data = np.load(sys.argv[1])
 T.gpu_set_matvec_imma(1)
-T.gpu_set_matvec_imma_grouped(1)
-paths = ("q8_cp_async", "q8_bulk", "q4k_warps8", "q4k_warps16")
-before = {p: T.gpu_imma_launches(p) for p in paths}
+before = {p: T.gpu_imma_launches(p) for p in ("q8_cp_async", "q8_bulk")}
 out = {}
-for name in data["names"]:
-    ne0, ne1, n_expert, max_part = (int(v) for v in data[name + "_shape"])
-    if n_expert == 0:
-        out[name] = T.gpu_matmul(8, data[name + "_raw"], ne0, ne1, data[name + "_x"])
-    else:
-        out[name] = T.gpu_matmul_grouped(12, data[name + "_raw"], ne0, ne1, n_expert, data[name + "_x"],
-                                         data[name + "_pe"], data[name + "_xr"], max_part)
-np.savez(sys.argv[2], **{"launches_" + p: T.gpu_imma_launches(p) - before[p] for p in paths}, **out)
+for name in ("wide", "narrow"):
+    ne0, ne1 = (int(v) for v in data[name + "_shape"])
+    out[name] = T.gpu_matmul(8, data[name + "_raw"], ne0, ne1, data[name + "_x"])
+np.savez(sys.argv[2], **{p: T.gpu_imma_launches(p) - n for p, n in before.items()}, **out)
 """
-
-
-def in_child(env: dict, data: dict, tmp_path) -> dict:
-    """CHILD's products of data (each name's shape: K, rows, experts (0: a dense Q8_0 product),
-    max_part) in a child process with env set, every product on the tensor cores; its outputs and
-    launches_PATH, the launches on each path."""
-    np.savez(tmp_path / "in.npz", names=np.array([k[: -len("_shape")] for k in data if k.endswith("_shape")]), **data)
-    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")],
-                   env=dict(os.environ, **env), check=True, timeout=300)
-    return dict(np.load(tmp_path / "out.npz"))
 
 
 def test_weights_by_cp_async_equal_the_bulk_copies(imma, tmp_path) -> None:
@@ -149,14 +133,18 @@ def test_weights_by_cp_async_equal_the_bulk_copies(imma, tmp_path) -> None:
     rng = np.random.default_rng()
     data = {}
     for name, (ne0, ne1, width) in {"wide": (4352, 500, 40), "narrow": (1536, 9000, 7)}.items():
-        data[name + "_shape"] = np.array([ne0, ne1, 0, 0])
+        data[name + "_shape"] = np.array([ne0, ne1])
         data[name + "_raw"] = tame_raw(Q8_0, ne0 * ne1, rng)
         data[name + "_x"] = rng.standard_normal((width, ne0)).astype(np.float32)
-    child = in_child({"DS4_GPU_MV_IMMA_BULK": "0"}, data, tmp_path)
-    assert int(child["launches_q8_cp_async"]) == 2 and int(child["launches_q8_bulk"]) == 0
+    np.savez(tmp_path / "in.npz", **data)
+    env = dict(os.environ, DS4_GPU_MV_IMMA_BULK="0")
+    subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], env=env,
+                   check=True, timeout=300)
+    child = np.load(tmp_path / "out.npz")
+    assert int(child["q8_cp_async"]) == 2 and int(child["q8_bulk"]) == 0
     imma(1)
     for name in ("wide", "narrow"):
-        ne0, ne1 = (int(v) for v in data[name + "_shape"][:2])
+        ne0, ne1 = (int(v) for v in data[name + "_shape"])
         before = T.gpu_imma_launches("q8_bulk")
         got = T.gpu_matmul(Q8_0, data[name + "_raw"], ne0, ne1, data[name + "_x"])
         assert T.gpu_imma_launches("q8_bulk") - before == 1
@@ -209,8 +197,6 @@ def test_batched_members_and_multi_products_match(imma) -> None:
 # (K, rows, experts): one k-slice (32 units); two k-slices, rows not a multiple of 32; two k-slices
 # with a partial last chunk (72 units: 2 chunks and 8 units); flash-l4's down shape (2048 -> 4096).
 GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3)]
-# The grouped kernel's block in this process: 16 warps unless DS4_GPU_IMMA_Q4K_WARPS=8 (imma_q4k.cu).
-GROUPED_PATH = "q4k_warps8" if os.environ.get("DS4_GPU_IMMA_Q4K_WARPS") == "8" else "q4k_warps16"
 
 
 @pytest.mark.parametrize("ne0, ne1, n_expert", GROUPED, ids=[f"{k}x{r}x{e}" for k, r, e in GROUPED])
@@ -230,40 +216,15 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
-        before = T.gpu_imma_launches(GROUPED_PATH)
+        before = T.gpu_imma_launches("q4k")
         got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
-        assert T.gpu_imma_launches(GROUPED_PATH) - before == 1
+        assert T.gpu_imma_launches("q4k") - before == 1
         assert same_bits(got, want), max_part
     expert_bytes = ne0 // 256 * 144 * ne1
     imma(0)
     for p in (0, 5, 7, len(pe) - 1):
         one = T.gpu_matmul(Q4_K, raw[pe[p] * expert_bytes : (pe[p] + 1) * expert_bytes], ne0, ne1, x[xr[p] : xr[p] + 1])
         assert same_bits(one[0], got[p]), p
-
-
-def test_grouped_q4k_blocks_of_8_and_16_warps_match(imma, tmp_path) -> None:
-    """The grouped Q4_K kernel's 8-warp block (DS4_GPU_IMMA_Q4K_WARPS=8, in a child process) and its
-    16-warp block give the same bits for every GROUPED shape, parts of 8 and of 3 pairs."""
-    rng = np.random.default_rng()
-    data = {}
-    for ne0, ne1, n_expert in GROUPED:
-        for max_part in (8, 3):
-            name = f"g{ne0}x{ne1}x{n_expert}p{max_part}"
-            data[name + "_shape"] = np.array([ne0, ne1, n_expert, max_part])
-            data[name + "_raw"] = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
-            data[name + "_x"] = rng.standard_normal((48, ne0)).astype(np.float32)  # 144 pairs, as above
-            data[name + "_pe"] = rng.integers(0, n_expert, 144).astype(np.int32)
-            data[name + "_xr"] = np.repeat(np.arange(48, dtype=np.int32), 3)
-    child = in_child({"DS4_GPU_IMMA_Q4K_WARPS": "8"}, data, tmp_path)
-    assert int(child["launches_q4k_warps8"]) == 2 * len(GROUPED) and int(child["launches_q4k_warps16"]) == 0
-    if GROUPED_PATH != "q4k_warps16":
-        pytest.skip("this process runs the 8-warp block too (DS4_GPU_IMMA_Q4K_WARPS=8)")
-    T.gpu_set_matvec_imma_grouped(1)
-    for name in (k[: -len("_shape")] for k in data if k.endswith("_shape")):
-        ne0, ne1, n_expert, max_part = (int(v) for v in data[name + "_shape"])
-        got = T.gpu_matmul_grouped(Q4_K, data[name + "_raw"], ne0, ne1, n_expert, data[name + "_x"],
-                                   data[name + "_pe"], data[name + "_xr"], max_part)
-        assert same_bits(got, child[name]), name
 
 
 def test_gate_up_pair_declines_to_the_tensor_cores(imma) -> None:
