@@ -45,8 +45,8 @@ bool matvec_imma_ahead();
 bool matvec_imma_persist();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
-// the Q8_0 tiles' weights by cp.async or by the bulk copy engine (DS4_GPU_MV_IMMA_BULK), the grouped
-// Q4_K kernel.
+// the Q8_0 tiles' cp.async or bulk-copy instantiation (DS4_GPU_MV_IMMA_BULK; below sm_90 the bulk one
+// copies by cp.async too), the grouped Q4_K kernel.
 enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4k, kImmaPaths };
 // Counts a launch of either kernel on that path.
 void imma_count_launch(ImmaPath path);

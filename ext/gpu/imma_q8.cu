@@ -438,10 +438,11 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
 int64_t imma_launches(int path) {
-  if (path < -1 || path >= kImmaPaths) throw std::invalid_argument("imma_launches: path must be -1..2");
+  if (path < -1 || path >= kImmaPaths)
+    throw std::invalid_argument("imma_launches: path must be -1 (all) or one of imma.h's ImmaPath values");
+  if (path >= 0) return g_imma_launches[path].load(std::memory_order_relaxed);
   int64_t n = 0;
-  for (int p = 0; p < kImmaPaths; ++p)
-    if (path == -1 || path == p) n += g_imma_launches[p].load(std::memory_order_relaxed);
+  for (const auto& c : g_imma_launches) n += c.load(std::memory_order_relaxed);
   return n;
 }
 }  // namespace testing

@@ -194,8 +194,7 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 // Launches of the integer tensor-core kernels so far in this process (a test's proof that they ran):
-// path -1 all of them, else those on one ImmaPath (imma.h: 0 Q8_0 by cp.async, 1 Q8_0 by bulk
-// copies, 2 the grouped Q4_K kernel).
+// path -1 all of them, else those on one ImmaPath (imma.h).
 int64_t imma_launches(int path);
 // Launches of the planes prep kernel so far in this process (what the producer-built planes save).
 int64_t planes_prep_launches();
