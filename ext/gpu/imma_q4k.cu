@@ -10,8 +10,8 @@
 //   nibbles half h of sub-block 2c' + 1; Unit<kQ4_K>) against the matching halves of two X units:
 //     per half: S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 (16 elements, exact integers)
 //               f = float(2^16 S2 + T) (one rounding: the value of fmaf(float(S2), 2^16, float(T));
-//               xplanes.cuh q4k_planes_dot), s = s256 2^-8
-//               acc = fmaf(dl s, f, fmaf(-(ml s), float(M), acc))     (q4k_planes_dot; low first)
+//               xplanes.cuh q4k_planes_dot), s and sM = s float(M) from the column's record
+//               acc = fmaf(dl s, f, fmaf(-ml, sM, acc))     (q4k_planes_dot; low first)
 //   lanes, k-slices and their sums as in imma_q8.cu (lane u % 32 of slice (u / 32) % KS, units in
 //   increasing order; the butterfly; the k-slice tree).
 //
@@ -136,14 +136,15 @@ __global__ void __launch_bounds__(kGqThreads)
         blo[pl] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl);
         bhi[pl] = *reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl);
       }
-      float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and float(M) of each half
+      float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and sM of each half
   #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        const uint8_t* rc = pl_s + (2 * t + j) * kGqPlanePitch + kPlaneBytes * xa + kPlaneScaleOff;
-        slo[j] = *reinterpret_cast<const float*>(rc) * 0.00390625f;  // exact
-        mlo[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + 4 + 4 * h));
-        shi[j] = *reinterpret_cast<const float*>(rc + kPlaneBytes) * 0.00390625f;
-        mhi[j] = static_cast<float>(*reinterpret_cast<const int32_t*>(rc + kPlaneBytes + 4 + 4 * h));
+        const float* rc = reinterpret_cast<const float*>(pl_s + (2 * t + j) * kGqPlanePitch + kPlaneBytes * xa +
+                                                         kPlaneScaleOff);
+        slo[j] = rc[3];
+        mlo[j] = rc[1 + h];
+        shi[j] = rc[kPlaneBytes / 4 + 3];
+        mhi[j] = rc[kPlaneBytes / 4 + 1 + h];
       }
   #pragma unroll
       for (int mt = 0; mt < kGqMT; ++mt) {
@@ -175,9 +176,9 @@ __global__ void __launch_bounds__(kGqThreads)
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, j = e & 1;
           const float flo = static_cast<float>(s2lo[e] * 65536 + tlo[e]);
-          float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-(ml0[rr] * slo[j]), mlo[j], a[mt][e]));
+          float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-ml0[rr], mlo[j], a[mt][e]));
           const float fhi = static_cast<float>(s2hi[e] * 65536 + thi[e]);
-          a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-(ml1[rr] * shi[j]), mhi[j], v));
+          a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-ml1[rr], mhi[j], v));
         }
       }
     };

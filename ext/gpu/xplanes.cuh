@@ -31,16 +31,20 @@
 //
 // Q4_K (w = dl q - ml per 32-element sub-block, q in 0..15): a Q4_K unit of matvec.cuh is half a
 // sub-block's 16 nibbles for each of two sub-blocks, and each half is summed on its own: with the
-// half's planes (4 words of each) and M = sum m_i over those 16 elements (exact, stored per half),
+// half's planes (4 words of each), M = sum m_i over those 16 elements (exact) and the column's
+// sM = s float(M) (stored per half: float(M) rounds once where |M| >= 2^24, the product by s is exact),
 //   S1 = sum q p1, T = 2^8 S1 + sum q p0 (|T| < 2^23), S2 = sum q p2,
-//   acc = fmaf(dl s, fmaf(float(S2), 2^16, float(T)), fmaf(-ml s, float(M), acc))
-// (dl s and ml s exact: a float of at most 17 significant bits times a power of two).
+//   acc = fmaf(dl s, fmaf(float(S2), 2^16, float(T)), fmaf(-ml, sM, acc))
+// (dl s exact: a float of at most 17 significant bits times a power of two). The min term's scale
+// is the column's alone, so a kernel reads it instead of forming (ml s) float(M) per row (pass 22:
+// one product and one conversion fewer an output a half, and s stored rather than 2^-8 s256 formed).
+// Against the exact sum that is the same error as before; s float(M) overflows only where a unit's
+// largest |x| exceeds ~2^102, where the products overflow in any arithmetic.
 //
 // Layout: a column's planes are `units` records of kPlaneBytes: p0 words 0..7 (elements 4w..4w+3,
-// byte j = element 4w + j), p1 words, p2 words, then the float 256 s at byte 96 and the int32 sums
-// M of elements 0..15 and 16..31 at bytes 100 and 104 (the 4 bytes of padding keep a record 16-byte
-// aligned and let 8 lanes read 8 consecutive records' 16-byte pieces without a shared-memory bank
-// conflict).
+// byte j = element 4w + j), p1 words, p2 words, then the floats 256 s at byte 96, sM of elements
+// 0..15 and of 16..31 at bytes 100 and 104, and s at byte 108 (a record stays 16-byte aligned, and 8
+// lanes read 8 consecutive records' 16-byte pieces without a shared-memory bank conflict).
 #pragma once
 
 #include <cstdint>
@@ -51,30 +55,31 @@
 namespace ds4::gpu {
 
 constexpr int kPlaneBytes = 112;
-constexpr int kPlaneScaleOff = 96;  // then M of the two halves, int32 each
+constexpr int kPlaneScaleOff = 96;  // 256 s, then sM of the two halves, then s (floats)
 constexpr int kPlaneThreads = 8;  // threads that build one unit's record in the prep kernel
 
 // One unit's planes of one column, as a lane holds them.
 struct UnitPlanes {
   uint32_t p0[8], p1[8], p2[8];
-  float s256;  // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
-  int32_t m[2];  // sum of m_i over elements 0..15, 16..31
+  float s256;   // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
+  float sm[2];  // s float(sum of m_i) over elements 0..15, 16..31
+  float s;
 };
 
 // Half h of a unit's planes (elements 16h .. 16h + 15).
 struct HalfPlanes {
   uint32_t p0[4], p1[4], p2[4];
-  float s256;
-  int32_t m;
+  float s;
+  float sm;  // s float(M)
 };
 
-// 1 / s (a power of two; 0 for a zero unit or one holding an inf or NaN) and 256 s (NaN for the
+// 1 / s (a power of two; 0 for a zero unit or one holding an inf or NaN), 256 s and s (NaN for the
 // latter) of a unit whose largest |x| has the bits amax_bits (the largest of bits(x) & 0x7fffffff:
 // the integer order of those bits is the order of |x|, with the infs and NaNs above every number).
-__device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, float* s256) {
+__device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, float* s256, float* s) {
   if (amax_bits == 0u || amax_bits >= 0x7f800000u) {
     *s_inv = 0.0f;
-    *s256 = amax_bits == 0u ? 0.0f : ds4_bits_to_float(0x7fc00000u);
+    *s256 = *s = amax_bits == 0u ? 0.0f : ds4_bits_to_float(0x7fc00000u);
     return;
   }
   const int ef = static_cast<int>(amax_bits >> 23);
@@ -82,7 +87,11 @@ __device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, fl
   e = e < -100 ? -100 : e;
   *s_inv = ds4_bits_to_float(static_cast<uint32_t>(127 + 22 - e) << 23);
   *s256 = ds4_bits_to_float(static_cast<uint32_t>(127 + e - 14) << 23);
+  *s = ds4_bits_to_float(static_cast<uint32_t>(127 + e - 22) << 23);  // >= 2^-122: normal
 }
+
+// The min term's column scale of a half: s float(M) (exact but for float(M)'s rounding).
+__device__ __forceinline__ float plane_min_scale(float s, int32_t m) { return __fmul_rn(s, static_cast<float>(m)); }
 
 // The three digit bytes of x / s rounded to the nearest integer (ties to even): x * s_inv is exact
 // (a power of two) or, where it underflows, far below 1/2 and rounds to 0 either way; adding
@@ -159,10 +168,9 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
 // form on the H200; imma_q4k.cu's epilogue now forms f the same way).
 __device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
                                                 float acc) {
-  const float s = xp.s256 * 0.00390625f;  // exact
   const int s1 = plane_dot(n, xp.p1, 0), s2 = plane_dot(n, xp.p2, 0);
   const float f = static_cast<float>(plane_dot(n, xp.p0, (s2 * 256 + s1) * 256));
-  return fmaf(dl * s, f, fmaf(-(ml * s), static_cast<float>(xp.m), acc));
+  return fmaf(dl * xp.s, f, fmaf(-ml, xp.sm, acc));
 }
 
 // The half h of a unit record at p (global or shared).
@@ -175,8 +183,8 @@ __device__ __forceinline__ void load_half_planes(const uint8_t* p, int h, HalfPl
   xp.p0[0] = a.x, xp.p0[1] = a.y, xp.p0[2] = a.z, xp.p0[3] = a.w;
   xp.p1[0] = b.x, xp.p1[1] = b.y, xp.p1[2] = b.z, xp.p1[3] = b.w;
   xp.p2[0] = c.x, xp.p2[1] = c.y, xp.p2[2] = c.z, xp.p2[3] = c.w;
-  xp.s256 = ds4_bits_to_float(t.x);
-  xp.m = static_cast<int32_t>(h ? t.z : t.y);
+  xp.s = ds4_bits_to_float(t.w);
+  xp.sm = ds4_bits_to_float(h ? t.z : t.y);
 }
 
 // Half h of a whole unit's planes held in registers.
@@ -187,8 +195,8 @@ __device__ __forceinline__ void half_of(const UnitPlanes& u, int h, HalfPlanes& 
     xp.p1[i] = h ? u.p1[4 + i] : u.p1[i];
     xp.p2[i] = h ? u.p2[4 + i] : u.p2[i];
   }
-  xp.s256 = u.s256;
-  xp.m = u.m[h];
+  xp.s = u.s;
+  xp.sm = u.sm[h];
 }
 
 // --- where a kernel finds a unit's planes (matvec_blocks' XLoad with kPlanes) -------------------
@@ -215,8 +223,9 @@ struct PlanesX {
       xp.p2[4 * i + 3] = v[4 + i].w;
     }
     xp.s256 = ds4_bits_to_float(tail.x);
-    xp.m[0] = static_cast<int32_t>(tail.y);
-    xp.m[1] = static_cast<int32_t>(tail.z);
+    xp.sm[0] = ds4_bits_to_float(tail.y);
+    xp.sm[1] = ds4_bits_to_float(tail.z);
+    xp.s = ds4_bits_to_float(tail.w);
   }
   // Half h of unit xu of column c.
   __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
@@ -242,10 +251,12 @@ struct LanePlanesX {
       amax = max(amax, abs_bits_max(v[i]));
     }
     float s_inv;
-    plane_scale(amax, &s_inv, &xp.s256);
-    xp.m[0] = xp.m[1] = 0;
+    plane_scale(amax, &s_inv, &xp.s256, &xp.s);
+    int32_t m[2] = {0, 0};
 #pragma unroll
-    for (int i = 0; i < 8; ++i) xp.m[i / 4] += plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+    for (int i = 0; i < 8; ++i) m[i / 4] += plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+    xp.sm[0] = plane_min_scale(xp.s, m[0]);
+    xp.sm[1] = plane_min_scale(xp.s, m[1]);
   }
   __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
     UnitPlanes u;
@@ -259,7 +270,7 @@ struct LanePlanesX {
 // Column j of a call is column j % ncols of batch member j / ncols: floats at X + (j / ncols) *
 // x_member + (j % ncols) * ldx, planes at P + j * ldp. kPlaneThreads threads a unit, each four
 // elements: the unit's largest |x| by a shuffle over its 8 threads, then each thread writes its word
-// of each plane, and the first of each half its half's sum of m. Bytes: 4 K in, 3.5 K out a column.
+// of each plane, and the first of each half its half's sM. Bytes: 4 K in, 3.5 K out a column.
 constexpr int kPlanesPrepThreads = 128;
 
 // Thread w (0..7) of a unit's group holding the unit's elements 4w..4w+3 in v writes its part of the
@@ -271,8 +282,8 @@ __device__ __forceinline__ void unit_planes_part(float4 v, int w, bool live, uin
   uint32_t amax = abs_bits_max(v);
 #pragma unroll
   for (int o = 1; o < kPlaneThreads; o <<= 1) amax = max(amax, ds4_shfl_xor(amax, o));
-  float s_inv, s256;
-  plane_scale(amax, &s_inv, &s256);
+  float s_inv, s256, s;
+  plane_scale(amax, &s_inv, &s256, &s);
   uint32_t w0, w1, w2;
   int32_t m = plane_words(v, s_inv, &w0, &w1, &w2);
 #pragma unroll
@@ -282,8 +293,12 @@ __device__ __forceinline__ void unit_planes_part(float4 v, int w, bool live, uin
     r[w] = w0;
     r[8 + w] = w1;
     r[16 + w] = w2;
-    if (w == 0) reinterpret_cast<float*>(r)[kPlaneScaleOff / 4] = s256;
-    if (w % (kPlaneThreads / 2) == 0) reinterpret_cast<int32_t*>(r)[kPlaneScaleOff / 4 + 1 + w / 4] = m;
+    float* tail = reinterpret_cast<float*>(r) + kPlaneScaleOff / 4;
+    if (w == 0) {
+      tail[0] = s256;
+      tail[3] = s;
+    }
+    if (w % (kPlaneThreads / 2) == 0) tail[1 + w / 4] = plane_min_scale(s, m);
   }
 }
 
