@@ -218,8 +218,9 @@ __global__ void __launch_bounds__(kGqThreads)
                 (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
           }
         __syncthreads();
+        // Output o is row o % kGqRows of column o / kGqRows (imma_q8.cu: a warp stores one line of Y).
         const int o = static_cast<int>(threadIdx.x);
-        const int at = (o / kGqCols) * kGqRedPitch + o % kGqCols;
+        const int at = (o % kGqRows) * kGqRedPitch + o / kGqRows;
         float b[8];
   #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
@@ -234,7 +235,7 @@ __global__ void __launch_bounds__(kGqThreads)
       stage ^= 1;
     }
     const int o = static_cast<int>(threadIdx.x);
-    const int row = r0 + o / kGqCols, col = o % kGqCols;
+    const int row = r0 + o % kGqRows, col = o / kGqRows;
     if (row < rows && col < pt.count)
       Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
     __syncthreads();  // every warp is done with this part's shared memory before the next one's copies

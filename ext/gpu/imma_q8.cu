@@ -254,8 +254,8 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 #pragma unroll
     for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
       const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-      const int64_t row = static_cast<int64_t>(rb_of) * S::kRows + o / S::kCols;
-      const int col = c0 + o % S::kCols;
+      const int64_t row = static_cast<int64_t>(rb_of) * S::kRows + o % S::kRows;
+      const int col = c0 + o / S::kRows;
       const float y4[kImmaMaxSlices] = {ys[0][j], ys[1][j], ys[2][j], ys[3][j]};
       const float y = kslice_tree(y4, ks);
       if (row < rows && col < ncols) Y[static_cast<int64_t>(col) * ldy + row] = y;
@@ -328,8 +328,11 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
+        // Output o is row o % kRows of column o / kRows: a warp's stores are 32 consecutive rows of one
+        // column of Y (one 128-byte line), and its reads here 32 rows kRedPitch (odd) words apart (no
+        // bank conflict). Pass 22: o had run along a row, so a warp's 32 stores went to 32 lines.
         const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-        const int at = (o / S::kCols) * S::kRedPitch + o % S::kCols;
+        const int at = (o % S::kRows) * S::kRedPitch + o / S::kRows;
         float b[8];
 #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * S::kRed + at] + red[(w + 8) * S::kRed + at];
