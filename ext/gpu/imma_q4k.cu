@@ -7,17 +7,17 @@
 // one: a pair equals its expert's product on its column alone). For row r and column c:
 //
 //   unit u (16 quant bytes: the low nibbles are half h of sub-block 2c' of a 256-block, the high
-//   nibbles half h of sub-block 2c' + 1; Unit<kQ4_K>) against the matching halves of two X units:
-//     per half: S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 (16 elements, exact integers)
-//               f = float(2^16 S2 + T) (one rounding: the value of fmaf(float(S2), 2^16, float(T));
-//               xplanes.cuh q4k_planes_dot), s and sM = s float(M) from the column's record
-//               acc = fmaf(dl s, f, fmaf(-ml, sM, acc))     (q4k_planes_dot; low first)
+//   nibbles half h of sub-block 2c' + 1; Unit<kQ4_K>) belongs to lane u % 32, which sums sub-block
+//   2c' + h whole (its partner lane holds the other half; xplanes.cuh q4k_pair_sum):
+//     S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2 over the sub-block's 32 elements against
+//     its X unit's planes, F = 2^16 S2 + T (exact), s and sM = s float(M) from the unit's record,
+//     acc = fmaf(dl s, float(F), fmaf(-ml, sM, acc))     (q4k_sub_block)
 //   lanes, k-slices and their sums as in imma_q8.cu (lane u % 32 of slice (u / 32) % KS, units in
 //   increasing order; the butterfly; the k-slice tree).
 //
-// The integer sums come from mma.sync m16n8k16.s8 (A = 16 rows x one half's 16 nibbles as bytes,
-// B = the half's plane bytes x the part's 8 columns), three a half; everything after them is the
-// SIMT lane's float operations in its order, so every pair's bits equal the SIMT kernels'
+// The integer sums come from mma.sync m16n8k32.s8 (A = 16 rows x a sub-block's 32 nibbles as bytes,
+// B = its X unit's plane bytes x the part's 8 columns), three a sub-block; everything after them is
+// the SIMT lane's float operations in its order, so every pair's bits equal the SIMT kernels'
 // (tests/gpu/test_gpu_imma.py). Virtual lanes: warp w of 8 keeps lanes w, w + 8, w + 16 and w + 24,
 // so it forms B_w = (a_w + a_(w+16)) + (a_(w+8) + a_(w+24)) in registers; the block adds the eight
 // B_w through shared memory in the butterfly's order.
@@ -26,9 +26,10 @@
 // 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a
 // row) the block copies its rows' 576 bytes and the part's columns' planes of the chunk's 32 X units
 // (cp.async, two stages: the next chunk is in flight meanwhile) into shared memory, then decodes
-// the chunk's (dl, ml) pairs once (q4k_unit_scales) for all warps. A warp's units of the chunk are
-// unit positions (w >> 1) & 3, w & 1 of the four blocks, so its c' and h are constants. Bytes it
-// must move: each part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
+// the chunk's (dl, ml) pairs once (q4k_unit_scales) for all warps. Warp w is lane w's unit position
+// (w >> 1) & 3 = c', w & 1 = h of each of the four blocks: the nibbles (low for h = 0, high for
+// h = 1) of all 32 quant bytes of group c', which are sub-block 2c' + h. Bytes it must move: each
+// part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
 
@@ -125,60 +126,50 @@ __global__ void __launch_bounds__(kGqThreads)
           for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
     };
 
-    // Block k of chunk q (unit 32 q + 8 k + 2 cpos + h) into virtual lane k's sums.
+    // Block k of chunk q (units 32 q + 8 k + 2 cpos and + 1: the warp's sub-block 2 cpos + h of it)
+    // into virtual lane k's sums.
     auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kGqMT][4]) {
-      // The chunk's X units of the low and high nibbles: 8k + 2 cpos and the next one.
-      const int xa = 8 * k + 2 * cpos;
-      uint32_t blo[3], bhi[3];
-      const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 16 * h + 4 * t;
+      const int xa = 8 * k + 2 * cpos + h;  // the chunk's X unit of the sub-block
+      uint32_t b[3][2];
+      const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 4 * t;
   #pragma unroll
       for (int pl = 0; pl < 3; ++pl) {
-        blo[pl] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl);
-        bhi[pl] = *reinterpret_cast<const uint32_t*>(rb + kPlaneBytes + 32 * pl);
+        b[pl][0] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl);
+        b[pl][1] = *reinterpret_cast<const uint32_t*>(rb + 32 * pl + 16);
       }
-      float slo[2], shi[2], mlo[2], mhi[2];  // per C column: s and sM of each half
+      float xs[2], xm[2];  // per C column: the unit's s and sM
   #pragma unroll
       for (int j = 0; j < 2; ++j) {
         const float* rc = reinterpret_cast<const float*>(pl_s + (2 * t + j) * kGqPlanePitch + kPlaneBytes * xa +
                                                          kPlaneScaleOff);
-        slo[j] = rc[3];
-        mlo[j] = rc[1 + h];
-        shi[j] = rc[kPlaneBytes / 4 + 3];
-        mhi[j] = rc[kPlaneBytes / 4 + 1 + h];
+        xm[j] = rc[1];
+        xs[j] = rc[2];
       }
   #pragma unroll
       for (int mt = 0; mt < kGqMT; ++mt) {
-        uint32_t alo[2], ahi[2];
-        float dl0[2], ml0[2], dl1[2], ml1[2];
+        uint32_t av[4];
+        float dl[2], ml[2];
   #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
           const int row = 16 * mt + g + 8 * rr;
-          const uint32_t qw =
-              *reinterpret_cast<const uint32_t*>(chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 16 * h + 4 * t);
-          alo[rr] = qw & 0x0f0f0f0fu;
-          ahi[rr] = (qw >> 4) & 0x0f0f0f0fu;
-          const float4 f = scales[row * kGqScalePitch + 4 * k + cpos];
-          dl0[rr] = f.x, ml0[rr] = f.y, dl1[rr] = f.z, ml1[rr] = f.w;
+          const uint8_t* qb = chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 4 * t;
+          const uint32_t q0 = *reinterpret_cast<const uint32_t*>(qb), q1 = *reinterpret_cast<const uint32_t*>(qb + 16);
+          av[rr] = (h ? q0 >> 4 : q0) & 0x0f0f0f0fu;      // sub-block elements 4t..4t+3
+          av[2 + rr] = (h ? q1 >> 4 : q1) & 0x0f0f0f0fu;  // 16 + 4t..
+          const float2 f = reinterpret_cast<const float2*>(scales + row * kGqScalePitch + 4 * k + cpos)[h];
+          dl[rr] = f.x, ml[rr] = f.y;
         }
         const int zero4[4] = {0, 0, 0, 0};
-        int s1[4], tlo[4], s2lo[4], thi[4], s2hi[4];
-        mma_s8_k16(s1, alo[0], alo[1], blo[1], zero4);
+        int s1[4], tt[4], s2[4];
+        mma_s8_k32(s1, av, b[1][0], b[1][1], zero4);
   #pragma unroll
         for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8_k16(tlo, alo[0], alo[1], blo[0], s1);
-        mma_s8_k16(s2lo, alo[0], alo[1], blo[2], zero4);
-        mma_s8_k16(s1, ahi[0], ahi[1], bhi[1], zero4);
-  #pragma unroll
-        for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8_k16(thi, ahi[0], ahi[1], bhi[0], s1);
-        mma_s8_k16(s2hi, ahi[0], ahi[1], bhi[2], zero4);
+        mma_s8_k32(tt, av, b[0][0], b[0][1], s1);
+        mma_s8_k32(s2, av, b[2][0], b[2][1], zero4);
   #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, j = e & 1;
-          const float flo = static_cast<float>(s2lo[e] * 65536 + tlo[e]);
-          float v = fmaf(dl0[rr] * slo[j], flo, fmaf(-ml0[rr], mlo[j], a[mt][e]));
-          const float fhi = static_cast<float>(s2hi[e] * 65536 + thi[e]);
-          a[mt][e] = fmaf(dl1[rr] * shi[j], fhi, fmaf(-ml1[rr], mhi[j], v));
+          a[mt][e] = q4k_sub_block(s2[e] * 65536 + tt[e], dl[rr], ml[rr], xs[j], xm[j], a[mt][e]);
         }
       }
     };

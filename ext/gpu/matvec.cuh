@@ -342,7 +342,10 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
       }
     } else if constexpr (XLoad::kPlanes) {
       // Integer Q4_K: the unit's low nibbles are half h of X unit xa, its high nibbles half h of
-      // unit xa + 1 (Unit<kQ4_K>::k_of); per column both halves' planes, then every row, low first.
+      // unit xa + 1 (Unit<kQ4_K>::k_of); per column both halves' planes, then every row: the halves'
+      // integers, the lane's sub-block 2c + h whole by its partner lane's (lane ^ 1: unit u ^ 1, the
+      // same rows and columns now: units % 8 == 0, so both lanes of a pair pass the same bounds), and
+      // its float step (xplanes.cuh).
       static_assert(T == kQ4_K, "the planes serve Q8_0 and Q4_K products only");
       const int cq = static_cast<int>(u >> 1) & 3, h = static_cast<int>(u) & 1;
       const int64_t xa = 8 * (u >> 3) + 2 * cq;
@@ -351,6 +354,7 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
         HalfPlanes lo, hi;
         xload.half(c, xa, h, lo);
         xload.half(c, xa + 1, h, hi);
+        const float xs = h ? hi.s : lo.s, xsm = h ? hi.sm : lo.sm;
 #pragma unroll
         for (int r = 0; r < R; ++r) {
           const uint32_t wq[4] = {raw[r].qs.x, raw[r].qs.y, raw[r].qs.z, raw[r].qs.w};
@@ -360,8 +364,8 @@ __device__ __forceinline__ void matvec_blocks(const uint8_t* __restrict__ W, int
             nl[i] = wq[i] & 0x0f0f0f0fu;
             nh[i] = (wq[i] >> 4) & 0x0f0f0f0fu;
           }
-          acc[r][c] = q4k_planes_dot(nl, raw[r].dl0, raw[r].ml0, lo, acc[r][c]);
-          acc[r][c] = q4k_planes_dot(nh, raw[r].dl1, raw[r].ml1, hi, acc[r][c]);
+          const int f = q4k_pair_sum(q4k_half_int(nl, lo), q4k_half_int(nh, hi), h, lane);
+          acc[r][c] = q4k_sub_block(f, h ? raw[r].dl1 : raw[r].dl0, h ? raw[r].ml1 : raw[r].ml0, xs, xsm, acc[r][c]);
         }
       }
     } else {
@@ -1038,17 +1042,19 @@ __device__ __forceinline__ void grouped_own_apply(const uint4 (&qs)[R], const fl
 }
 
 // The integer form of grouped_own_apply (xplanes.cuh): rec[c] is column c's planes record of the X
-// unit under the lane's low nibbles (the high nibbles' is the next record), h the lane's half.
+// unit under the lane's low nibbles (the high nibbles' is the next record), h the lane's half, and
+// (dl, ml) each row's pair of the lane's sub-block 2c + h, whose sum the lane keeps (q4k_pair_sum:
+// its partner lane ^ 1 holds the other half; both lanes run every pass alike).
 template <int R, int NC>
-__device__ __forceinline__ void grouped_own_apply_planes(const uint4 (&qs)[R], const float (&dl0)[R],
-                                                         const float (&ml0)[R], const float (&dl1)[R],
-                                                         const float (&ml1)[R], const uint8_t* const (&rec)[NC], int h,
-                                                         float (&acc)[R][NC]) {
+__device__ __forceinline__ void grouped_own_apply_planes(const uint4 (&qs)[R], const float (&dl)[R],
+                                                         const float (&ml)[R], const uint8_t* const (&rec)[NC], int h,
+                                                         int lane, float (&acc)[R][NC]) {
 #pragma unroll
   for (int c = 0; c < NC; ++c) {
     HalfPlanes lo, hi;
     load_half_planes<true>(rec[c], h, lo);
     load_half_planes<true>(rec[c] + kPlaneBytes, h, hi);
+    const float xs = h ? hi.s : lo.s, xsm = h ? hi.sm : lo.sm;
 #pragma unroll
     for (int r = 0; r < R; ++r) {
       const uint32_t wq[4] = {qs[r].x, qs[r].y, qs[r].z, qs[r].w};
@@ -1058,8 +1064,8 @@ __device__ __forceinline__ void grouped_own_apply_planes(const uint4 (&qs)[R], c
         nl[i] = wq[i] & 0x0f0f0f0fu;
         nh[i] = (wq[i] >> 4) & 0x0f0f0f0fu;
       }
-      acc[r][c] = q4k_planes_dot(nl, dl0[r], ml0[r], lo, acc[r][c]);
-      acc[r][c] = q4k_planes_dot(nh, dl1[r], ml1[r], hi, acc[r][c]);
+      const int f = q4k_pair_sum(q4k_half_int(nl, lo), q4k_half_int(nh, hi), h, lane);
+      acc[r][c] = q4k_sub_block(f, dl[r], ml[r], xs, xsm, acc[r][c]);
     }
   }
 }
@@ -1198,12 +1204,12 @@ __device__ __forceinline__ void grouped_own_part(const uint8_t* __restrict__ We,
             }
             if constexpr (PL) {
               const uint8_t* rq[NC];
-              float ml0[R], ml1[R];
+              float dl[R], ml[R];  // the lane's sub-block 2 cpos + (lane & 1)
 #pragma unroll
               for (int c = 0; c < NC; ++c) rq[c] = rp[c] + 32 * q * kPlaneBytes;  // 1024 elements a pass
 #pragma unroll
-              for (int r = 0; r < R; ++r) ml0[r] = -a0[r], ml1[r] = -a1[r];
-              grouped_own_apply_planes<R, NC>(qs, dl0, ml0, dl1, ml1, rq, lane & 1, acc[s]);
+              for (int r = 0; r < R; ++r) dl[r] = (lane & 1) ? dl1[r] : dl0[r], ml[r] = -((lane & 1) ? a1[r] : a0[r]);
+              grouped_own_apply_planes<R, NC>(qs, dl, ml, rq, lane & 1, lane, acc[s]);
             } else {
               const float* xq[NC];
 #pragma unroll

@@ -122,6 +122,18 @@ __device__ __forceinline__ T ds4_shfl_xor(T v, int mask) {
 #endif
 }
 
+// The value of lane `lane ^ 1` (lane: the caller's lane, 0..31). Only the two lanes of the pair
+// need to call it, so it may sit where the rest of the warp has branched away.
+template <class T>
+__device__ __forceinline__ T ds4_shfl_pair(T v, int lane) {
+#if defined(DS4_HIP)
+  (void)lane;
+  return __shfl_xor(v, 1, DS4_WARP);
+#else
+  return __shfl_xor_sync(3u << (lane & 30), v, 1, DS4_WARP);
+#endif
+}
+
 // Lane src's value inside a 32-lane group (full-warp participation required).
 template <class T>
 __device__ __forceinline__ T ds4_shfl(T v, int src) {

@@ -29,22 +29,28 @@
 // (LanePlanesX) are the same bytes. What changes is the arithmetic against the float path
 // (DS4_GPU_MV_INT8=0): a different last bit or so, like the tensor-core switch.
 //
-// Q4_K (w = dl q - ml per 32-element sub-block, q in 0..15): a Q4_K unit of matvec.cuh is half a
-// sub-block's 16 nibbles for each of two sub-blocks, and each half is summed on its own: with the
-// half's planes (4 words of each), M = sum m_i over those 16 elements (exact) and the column's
-// sM = s float(M) (stored per half: float(M) rounds once where |M| >= 2^24, the product by s is exact),
-//   S1 = sum q p1, T = 2^8 S1 + sum q p0 (|T| < 2^23), S2 = sum q p2,
-//   acc = fmaf(dl s, fmaf(float(S2), 2^16, float(T)), fmaf(-ml, sM, acc))
-// (dl s exact: a float of at most 17 significant bits times a power of two). The min term's scale
-// is the column's alone, so a kernel reads it instead of forming (ml s) float(M) per row (pass 22:
-// one product and one conversion fewer an output a half, and s stored rather than 2^-8 s256 formed).
-// Against the exact sum that is the same error as before; s float(M) overflows only where a unit's
+// Q4_K (w = dl q - ml per 32-element sub-block, q in 0..15): a sub-block's 32 elements are one X
+// unit, and each sub-block is summed once, in integers over all 32: with the unit's planes, M = sum
+// m_i over its 32 elements (exact) and the column's sM = s float(M),
+//   S1 = sum q p1, T = 2^8 S1 + sum q p0, S2 = sum q p2, F = 2^16 S2 + T (exact in 32 bits: |S2| <=
+//   32 * 15 * 64, |T| < 2^24.9, so |F| <= 480 * 2^22 + 2^24.9 < 2^31),
+//   acc = fmaf(dl s, float(F), fmaf(-ml, sM, acc))
+// (dl s exact: a float of at most 17 significant bits times a power of two; float(F) rounds once).
+// A Q4_K unit of matvec.cuh (16 quant bytes, Unit<kQ4_K>) holds half h of sub-blocks 2c and 2c + 1,
+// and the lane of its partner unit (the other half h, the next lane) the other halves: each lane
+// forms both halves' integers (16 elements each), keeps sub-block 2c + h's and swaps the other
+// with its partner (q4k_pair_sum), then does that sub-block's float step. Pass 23 (GPU README):
+// pass 22 rounded each half on its own (two float steps a unit a lane); one step a sub-block halves
+// the float epilogue of the integer tensor-core kernel (imma_q4k.cu), which is bound by it, and
+// lets its mma take a sub-block's 32 elements at once. The min term's scale is the column's alone,
+// so a kernel reads it instead of forming (ml s) float(M) per row. Against the exact sum the error
+// is that of the float path's size (test_gpu_int8.py); s float(M) overflows only where a unit's
 // largest |x| exceeds ~2^102, where the products overflow in any arithmetic.
 //
 // Layout: a column's planes are `units` records of kPlaneBytes: p0 words 0..7 (elements 4w..4w+3,
-// byte j = element 4w + j), p1 words, p2 words, then the floats 256 s at byte 96, sM of elements
-// 0..15 and of 16..31 at bytes 100 and 104, and s at byte 108 (a record stays 16-byte aligned, and 8
-// lanes read 8 consecutive records' 16-byte pieces without a shared-memory bank conflict).
+// byte j = element 4w + j), p1 words, p2 words, then the floats 256 s at byte 96, sM at 100, s at 104
+// and a zero pad at 108 (a record stays 16-byte aligned, and 8 lanes read 8 consecutive records'
+// 16-byte pieces without a shared-memory bank conflict).
 #pragma once
 
 #include <cstdint>
@@ -55,22 +61,22 @@
 namespace ds4::gpu {
 
 constexpr int kPlaneBytes = 112;
-constexpr int kPlaneScaleOff = 96;  // 256 s, then sM of the two halves, then s (floats)
+constexpr int kPlaneScaleOff = 96;  // 256 s, sM, s, 0 (floats)
 constexpr int kPlaneThreads = 8;  // threads that build one unit's record in the prep kernel
 
 // One unit's planes of one column, as a lane holds them.
 struct UnitPlanes {
   uint32_t p0[8], p1[8], p2[8];
-  float s256;   // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
-  float sm[2];  // s float(sum of m_i) over elements 0..15, 16..31
+  float s256;  // 256 s: d_256 (Unit<kQ8_0>::Raw) times it is d s
+  float sm;    // s float(sum of m_i) over the unit's 32 elements
   float s;
 };
 
-// Half h of a unit's planes (elements 16h .. 16h + 15).
+// Half h of a unit's planes (elements 16h .. 16h + 15), with the whole unit's s and sM.
 struct HalfPlanes {
   uint32_t p0[4], p1[4], p2[4];
   float s;
-  float sm;  // s float(M)
+  float sm;  // s float(M), M over the unit's 32 elements
 };
 
 // 1 / s (a power of two; 0 for a zero unit or one holding an inf or NaN), 256 s and s (NaN for the
@@ -90,7 +96,7 @@ __device__ __forceinline__ void plane_scale(uint32_t amax_bits, float* s_inv, fl
   *s = ds4_bits_to_float(static_cast<uint32_t>(127 + e - 22) << 23);  // >= 2^-122: normal
 }
 
-// The min term's column scale of a half: s float(M) (exact but for float(M)'s rounding).
+// The min term's column scale of a unit: s float(M) (exact but for float(M)'s rounding).
 __device__ __forceinline__ float plane_min_scale(float s, int32_t m) { return __fmul_rn(s, static_cast<float>(m)); }
 
 // The three digit bytes of x / s rounded to the nearest integer (ties to even): x * s_inv is exact
@@ -159,18 +165,24 @@ __device__ __forceinline__ float q8_planes_dot(const uint32_t (&q)[8], float d_2
   return fmaf(planes_sum<8>(q, xp.p0, xp.p1, xp.p2), d_256 * xp.s256, acc);
 }
 
-// Sixteen Q4_K nibbles (n: 4 words of bytes 0..15) of a sub-block with (dl, ml) against the matching
-// half of one column's planes, added to acc as the header describes.
-// A half's f = fmaf(float(S2), 2^16, float(T)) is computed here as float(2^16 S2 + T), one
-// conversion where planes_sum has two and an fma: |S2| <= 16 * 15 * 64 and |T| < 2^23, so the
-// integer is exact in 32 bits (|.| < 2^30), float(T) and float(S2) are exact, and both forms round
-// the same exact value once, to nearest even: the same bits (GPU pass 19 checked it against the fma
-// form on the H200; imma_q4k.cu's epilogue now forms f the same way).
-__device__ __forceinline__ float q4k_planes_dot(const uint32_t (&n)[4], float dl, float ml, const HalfPlanes& xp,
-                                                float acc) {
+// 2^16 S2 + T (the header's F) of sixteen Q4_K nibbles (n: 4 words of bytes 0..15) against the
+// matching half of one column's planes: exact (|.| < 2^30 for 16 elements).
+__device__ __forceinline__ int q4k_half_int(const uint32_t (&n)[4], const HalfPlanes& xp) {
   const int s1 = plane_dot(n, xp.p1, 0), s2 = plane_dot(n, xp.p2, 0);
-  const float f = static_cast<float>(plane_dot(n, xp.p0, (s2 * 256 + s1) * 256));
-  return fmaf(dl * xp.s, f, fmaf(-ml, xp.sm, acc));
+  return plane_dot(n, xp.p0, (s2 * 256 + s1) * 256);
+}
+
+// The F of the lane's sub-block (2c + h of its unit's block) from its halves' integers f_lo (the low
+// nibbles: half h of sub-block 2c) and f_hi (half h of 2c + 1): it keeps one, its partner lane
+// (lane ^ 1, half 1 - h of the same sub-blocks) sends the other half of the kept one. Both lanes of
+// a pair must call it. Exact: |F| < 2^31 (the header).
+__device__ __forceinline__ int q4k_pair_sum(int f_lo, int f_hi, int h, int lane) {
+  return (h ? f_hi : f_lo) + ds4_shfl_pair(h ? f_lo : f_hi, lane);
+}
+
+// A sub-block's F (with (dl, ml)) against its X unit's s and sM, added to acc as the header describes.
+__device__ __forceinline__ float q4k_sub_block(int f, float dl, float ml, float s, float sm, float acc) {
+  return fmaf(dl * s, static_cast<float>(f), fmaf(-ml, sm, acc));
 }
 
 // The half h of a unit record at p (global or shared).
@@ -183,8 +195,9 @@ __device__ __forceinline__ void load_half_planes(const uint8_t* p, int h, HalfPl
   xp.p0[0] = a.x, xp.p0[1] = a.y, xp.p0[2] = a.z, xp.p0[3] = a.w;
   xp.p1[0] = b.x, xp.p1[1] = b.y, xp.p1[2] = b.z, xp.p1[3] = b.w;
   xp.p2[0] = c.x, xp.p2[1] = c.y, xp.p2[2] = c.z, xp.p2[3] = c.w;
-  xp.s = ds4_bits_to_float(t.w);
-  xp.sm = ds4_bits_to_float(h ? t.z : t.y);
+  (void)h;
+  xp.s = ds4_bits_to_float(t.z);
+  xp.sm = ds4_bits_to_float(t.y);
 }
 
 // Half h of a whole unit's planes held in registers.
@@ -196,7 +209,7 @@ __device__ __forceinline__ void half_of(const UnitPlanes& u, int h, HalfPlanes& 
     xp.p2[i] = h ? u.p2[4 + i] : u.p2[i];
   }
   xp.s = u.s;
-  xp.sm = u.sm[h];
+  xp.sm = u.sm;
 }
 
 // --- where a kernel finds a unit's planes (matvec_blocks' XLoad with kPlanes) -------------------
@@ -223,9 +236,8 @@ struct PlanesX {
       xp.p2[4 * i + 3] = v[4 + i].w;
     }
     xp.s256 = ds4_bits_to_float(tail.x);
-    xp.sm[0] = ds4_bits_to_float(tail.y);
-    xp.sm[1] = ds4_bits_to_float(tail.z);
-    xp.s = ds4_bits_to_float(tail.w);
+    xp.sm = ds4_bits_to_float(tail.y);
+    xp.s = ds4_bits_to_float(tail.z);
   }
   // Half h of unit xu of column c.
   __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
@@ -252,11 +264,10 @@ struct LanePlanesX {
     }
     float s_inv;
     plane_scale(amax, &s_inv, &xp.s256, &xp.s);
-    int32_t m[2] = {0, 0};
+    int32_t m = 0;
 #pragma unroll
-    for (int i = 0; i < 8; ++i) m[i / 4] += plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
-    xp.sm[0] = plane_min_scale(xp.s, m[0]);
-    xp.sm[1] = plane_min_scale(xp.s, m[1]);
+    for (int i = 0; i < 8; ++i) m += plane_words(v[i], s_inv, &xp.p0[i], &xp.p1[i], &xp.p2[i]);
+    xp.sm = plane_min_scale(xp.s, m);
   }
   __device__ __forceinline__ void half(int c, int64_t xu, int h, HalfPlanes& xp) const {
     UnitPlanes u;
@@ -270,7 +281,7 @@ struct LanePlanesX {
 // Column j of a call is column j % ncols of batch member j / ncols: floats at X + (j / ncols) *
 // x_member + (j % ncols) * ldx, planes at P + j * ldp. kPlaneThreads threads a unit, each four
 // elements: the unit's largest |x| by a shuffle over its 8 threads, then each thread writes its word
-// of each plane, and the first of each half its half's sM. Bytes: 4 K in, 3.5 K out a column.
+// of each plane, and the first the unit's tail. Bytes: 4 K in, 3.5 K out a column.
 constexpr int kPlanesPrepThreads = 128;
 
 // Thread w (0..7) of a unit's group holding the unit's elements 4w..4w+3 in v writes its part of the
@@ -287,7 +298,7 @@ __device__ __forceinline__ void unit_planes_part(float4 v, int w, bool live, uin
   uint32_t w0, w1, w2;
   int32_t m = plane_words(v, s_inv, &w0, &w1, &w2);
 #pragma unroll
-  for (int o = 1; o < kPlaneThreads / 2; o <<= 1) m += ds4_shfl_xor(m, o);  // integers: any order
+  for (int o = 1; o < kPlaneThreads; o <<= 1) m += ds4_shfl_xor(m, o);  // integers: any order
   if (live) {
     uint32_t* r = reinterpret_cast<uint32_t*>(rec);
     r[w] = w0;
@@ -296,9 +307,10 @@ __device__ __forceinline__ void unit_planes_part(float4 v, int w, bool live, uin
     float* tail = reinterpret_cast<float*>(r) + kPlaneScaleOff / 4;
     if (w == 0) {
       tail[0] = s256;
-      tail[3] = s;
+      tail[1] = plane_min_scale(s, m);
+      tail[2] = s;
+      tail[3] = 0.0f;
     }
-    if (w % (kPlaneThreads / 2) == 0) tail[1 + w / 4] = plane_min_scale(s, m);
   }
 }
 

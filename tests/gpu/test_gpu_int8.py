@@ -149,15 +149,17 @@ def test_multi_product_launch_equals_its_products(int8_switch) -> None:
         T.gpu_set_matvec_fuse(True)
 
 
+@pytest.mark.parametrize("ne0", [2048, 2304], ids=["K2048", "K2304"])
 @pytest.mark.parametrize("on", [False, True], ids=["fp32", "int8"])
-def test_both_paths_keep_q4k_identities(int8_switch, on: bool) -> None:
+def test_both_paths_keep_q4k_identities(int8_switch, on: bool, ne0: int) -> None:
     """Q4_K under either setting: columns of wide launches equal single columns (direct and staged),
     grouped pairs through the own kernel (planes made once for X's rows) and through the pass-5
     kernel (planes built lane by lane) equal their dense products, and the fused gate/up pair equals
-    the two grouped products."""
+    the two grouped products. K = 2304 (72 units) ends each row in a pass of 8 units, where the
+    integer path's lane pairs swap their halves with the rest of the warp idle."""
     int8_switch(on)
     rng = np.random.default_rng()
-    ne0, ne1, n_expert, n_lanes = 2048, 600, 4, 6
+    ne1, n_expert, n_lanes = 600, 4, 6
     raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
     x = rng.standard_normal((16, ne0)).astype(np.float32)
     expert_bytes = ne0 // 256 * 144 * ne1
