@@ -292,13 +292,13 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     return v // 4, bool(v & 1), bool(v & 2)
 
 
-IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k")  # imma.h ImmaPath, in order
+IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order
 
 
 def _t_gpu_imma_launches(path="all"):
     """Launches of the integer tensor-core kernels so far in this process: all of them, or those on
-    one path (IMMA_PATHS: the Q8_0 tiles' weights by cp.async or by bulk copies, the grouped Q4_K
-    kernel)."""
+    one path (IMMA_PATHS: the Q8_0 tiles' weights, and the grouped Q4_K kernel's weights and planes,
+    by cp.async or by bulk copies)."""
     if path != "all" and path not in IMMA_PATHS:
         raise ValueError(f"gpu_imma_launches: path must be 'all' or one of {', '.join(IMMA_PATHS)}, not {path!r}")
     return int(gpu_imma_launches(-1 if path == "all" else IMMA_PATHS.index(path)))

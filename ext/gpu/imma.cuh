@@ -134,24 +134,33 @@ __device__ __forceinline__ void bulk_init(uint64_t* bar, int n) {
     asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
   }
 }
+// Arms barrier bar for a phase of `bytes` bytes of copies (one thread, once a phase): its arrival.
+__device__ __forceinline__ void bulk_expect(uint64_t* bar, int bytes) {
+  const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(bytes) : "memory");
+}
 // Rows [0, rows) of `bytes` bytes each (a multiple of 16, 16-byte aligned), row r from src(r) to
-// dst + r * pitch, completing on barrier bar; every thread of the block's THREADS calls it. A bulk copy
-// takes its operands from uniform registers, so a warp issues its lanes' copies one after another:
-// the rows are spread over the warps (lanes 0 .. rows / warps - 1 of each) to keep that short.
+// dst + r * pitch, completing on barrier bar, which the caller arms (bulk_expect); every thread of the
+// block's THREADS calls it. A bulk copy takes its operands from uniform registers, so a warp issues
+// its lanes' copies one after another: the rows are spread over the warps (lanes 0 .. rows / warps -
+// 1 of each) to keep that short.
 template <int THREADS, class Src>
-__device__ __forceinline__ void bulk_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar) {
+__device__ __forceinline__ void bulk_copy_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar) {
   constexpr int kWarps = THREADS / DS4_WARP;
   const int per = (rows + kWarps - 1) / kWarps, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   const int r = static_cast<int>(threadIdx.x) / DS4_WARP * per + lane;
   if (lane >= per || r >= rows) return;
   const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
-  if (r == 0) {
-    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(b), "r"(rows * bytes) : "memory");
-  }
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * pitch));
   asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(d),
                "l"(src(r)), "r"(bytes), "r"(b)
                : "memory");
+}
+// bulk_copy_rows with the barrier armed for exactly its bytes (by the thread of row 0).
+template <int THREADS, class Src>
+__device__ __forceinline__ void bulk_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar) {
+  if (threadIdx.x == 0 && rows > 0) bulk_expect(bar, rows * bytes);
+  bulk_copy_rows<THREADS>(dst, pitch, rows, bytes, src, bar);
 }
 // Until the phase of barrier bar with this parity has ended (its copies have landed and are visible).
 __device__ __forceinline__ void bulk_wait(uint64_t* bar, unsigned parity) {

@@ -45,9 +45,12 @@ bool matvec_imma_ahead();
 bool matvec_imma_persist();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
-// the Q8_0 tiles' cp.async or bulk-copy instantiation (DS4_GPU_MV_IMMA_BULK; below sm_90 the bulk one
-// copies by cp.async too), the grouped Q4_K kernel.
-enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4k, kImmaPaths };
+// the Q8_0 tiles' and the grouped Q4_K kernel's cp.async or bulk-copy instantiation
+// (DS4_GPU_MV_IMMA_BULK; below sm_90 the bulk one copies by cp.async too).
+enum ImmaPath : int { kImmaQ8CpAsync, kImmaQ8Bulk, kImmaQ4kCpAsync, kImmaQ4kBulk, kImmaPaths };
+// Whether the kernels take their weights (and Q4_K's planes) by bulk copies: on unless
+// DS4_GPU_MV_IMMA_BULK=0 (read once a process).
+bool matvec_imma_bulk();
 // Counts a launch of either kernel on that path.
 void imma_count_launch(ImmaPath path);
 

@@ -25,7 +25,8 @@
 // Layout of the work: block (x, y) = rows [32x, 32x + 32) of parts y, y + gridDim.y, ..., 8 warps of
 // 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a
 // row) the block copies its rows' 576 bytes and the part's columns' planes of the chunk's 32 X units
-// (cp.async, two stages: the next chunk is in flight meanwhile) into shared memory, then decodes
+// (bulk copies, one a row or column, or cp.async; two stages: the next chunk is in flight meanwhile)
+// into shared memory, then decodes
 // the chunk's (dl, ml) pairs once (q4k_unit_scales) for all warps. Warp w is lane w's unit position
 // (w >> 1) & 3 = c', w & 1 = h of each of the four blocks: the nibbles (low for h = 0, high for
 // h = 1) of all 32 quant bytes of group c', which are sub-block 2c' + h. Bytes it must move: each
@@ -69,6 +70,10 @@ static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
 
 #if defined(DS4_IMMA)
 
+// BULK: each stage's weight rows and plane runs by the bulk copy engine (one instruction a row or a
+// column's run, imma.cuh bulk_copy_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else by cp.async (copy_runs:
+// one a 16-byte vector). The same bytes in the same places.
+template <bool BULK>
 __global__ void __launch_bounds__(kGqThreads)
     imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
                             int units, int ks, const ExpertPartDev* __restrict__ parts,
@@ -81,6 +86,14 @@ __global__ void __launch_bounds__(kGqThreads)
   uint8_t* planes_s = smem + 2 * kGqStage + kGqRedBytes;
   // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
   float4* scales = reinterpret_cast<float4*>(red);
+#if defined(DS4_IMMA_BULK)
+  __shared__ uint64_t bulk_bar[2];  // a barrier a stage
+  unsigned bulk_phase = 0;          // bit s: the parity of stage s's next phase
+  if constexpr (BULK) {
+    bulk_init(bulk_bar, 2);
+    __syncthreads();
+  }
+#endif
   // The parts come from the planner just before: wait for it first.
   ds4_grid_begin();
   // Parts p = blockIdx.y, + gridDim.y, ... (the grid is sized for a few waves, not for the bound on
@@ -105,13 +118,22 @@ __global__ void __launch_bounds__(kGqThreads)
     auto issue = [&](int q, int stage) {
       const int left = units - 32 * q < 32 ? units - 32 * q : 32;  // units % 8 == 0: whole 144-byte blocks
       const uint8_t* wq = We + static_cast<int64_t>(q) * kGqChunk;
-      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, [=](int r) {
-        return wq + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes;
-      });
+      auto wsrc = [=](int r) { return wq + (r0 + r < rows ? r0 + r : rows - 1) * row_bytes; };
       const int64_t pq = static_cast<int64_t>(q) * 32 * kPlaneBytes;
+      auto psrc = [=](int j) { return planes + xrow[j] * ldp + pq; };
+#if defined(DS4_IMMA_BULK)
+      if constexpr (BULK) {
+        uint64_t* bar = bulk_bar + stage;
+        if (threadIdx.x == 0) bulk_expect(bar, left * (18 * kGqRows + kPlaneBytes * kGqCols));
+        bulk_copy_rows<kGqThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar);
+        bulk_copy_rows<kGqThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes, psrc,
+                                   bar);
+        return;
+      }
+#endif
+      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, wsrc);
       copy_runs<kGqThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
-                                                   left * (kPlaneBytes / 16),
-                                                   [=](int j) { return planes + xrow[j] * ldp + pq; });
+                                                   left * (kPlaneBytes / 16), psrc);
       ds4_cp_async_commit();
     };
 
@@ -179,7 +201,16 @@ __global__ void __launch_bounds__(kGqThreads)
     zero();
     for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
       const int nq = static_cast<int>(chunk_after(q, ks, n_chunks));
-      next_stage(nq, stage, issue);
+#if defined(DS4_IMMA_BULK)
+      if constexpr (BULK) {
+        if (nq >= 0) issue(nq, stage ^ 1);
+        bulk_wait(bulk_bar + stage, (bulk_phase >> stage) & 1u);  // each thread sees the stage land
+        bulk_phase ^= 1u << stage;
+      } else
+#endif
+      {
+        next_stage(nq, stage, issue);
+      }
       const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
@@ -258,7 +289,9 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 bool imma_q4k_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess &&
+                    cudaFuncSetAttribute(imma_q4k_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                          kGqSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return ok;
@@ -283,11 +316,12 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
   const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-  launch(imma_q4k_grouped_kernel, grid, kGqThreads, kGqSmem, stream, W.data, W.row_bytes() * rows, W.row_bytes(),
-         static_cast<int>(rows), static_cast<int>(units), ks, static_cast<const ExpertPartDev*>(parts), n_parts,
-         sorted_pairs, x_row, planes, ldp, Y, ldy);
+  const bool bulk = matvec_imma_bulk();
+  launch(bulk ? imma_q4k_grouped_kernel<true> : imma_q4k_grouped_kernel<false>, grid, kGqThreads, kGqSmem, stream,
+         W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
+         static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
-  imma_count_launch(kImmaQ4k);
+  imma_count_launch(bulk ? kImmaQ4kBulk : kImmaQ4kCpAsync);
   return true;
 #else
   (void)W, (void)units, (void)parts, (void)n_parts, (void)max_parts, (void)sorted_pairs, (void)x_row, (void)planes,

@@ -398,9 +398,9 @@ int matvec_imma_narrow_rows() {
 bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
-// DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles copy their weights by cp.async (read once a process; the
-// same bits either way, so not part of the graph key).
-static bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
+// DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles and the grouped Q4_K kernel copy by cp.async (read once a
+// process; the same bits either way, so not part of the graph key).
+bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
 
 void imma_count_launch(ImmaPath path) { g_imma_launches[path].fetch_add(1, std::memory_order_relaxed); }
 

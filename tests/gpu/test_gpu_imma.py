@@ -5,8 +5,8 @@ Marked ``gpu``. Hooks (``_testing``): ``gpu_set_matvec_imma(min_cols) -> int`` (
 Q8_0 product takes the tensor cores from, 0 never), ``gpu_set_matvec_imma_grouped(min_pairs) -> int``
 (the fewest pairs per expert a grouped Q4_K product takes them from), both process-wide, and
 ``gpu_imma_launches(path="all")`` (the kernels' launches so far, all or on one path, so every test
-here proves they ran, and on which path). The kernels compute the integer sums of each unit (half
-unit for Q4_K) with mma.sync and then the SIMT lanes' float operations in their order (virtual
+here proves they ran, and on which path). The kernels compute the integer sums of each unit (a
+sub-block for Q4_K) with mma.sync and then the SIMT lanes' float operations in their order (virtual
 lanes, the butterfly, the k-slice tree), so a
 product must be bit-identical on either kernel, at every width, for every k-slice count and
 partial chunk, for batched members, for the products of matvec_multi, for every pair of a grouped
@@ -116,32 +116,44 @@ from ds4_app.engine import _native
 T = _native._testing
 data = np.load(sys.argv[1])
 T.gpu_set_matvec_imma(1)
-before = {p: T.gpu_imma_launches(p) for p in ("q8_cp_async", "q8_bulk")}
+T.gpu_set_matvec_imma_grouped(1)
+before = {p: T.gpu_imma_launches(p) for p in ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")}
 out = {}
 for name in ("wide", "narrow"):
     ne0, ne1 = (int(v) for v in data[name + "_shape"])
     out[name] = T.gpu_matmul(8, data[name + "_raw"], ne0, ne1, data[name + "_x"])
+ne0, ne1, n_expert = (int(v) for v in data["grouped_shape"])
+out["grouped"] = T.gpu_matmul_grouped(12, data["grouped_raw"], ne0, ne1, n_expert, data["grouped_x"],
+                                      data["grouped_pe"], data["grouped_xr"], 8)
 np.savez(sys.argv[2], **{p: T.gpu_imma_launches(p) - n for p, n in before.items()}, **out)
 """
 
 
 def test_weights_by_cp_async_equal_the_bulk_copies(imma, tmp_path) -> None:
-    """The Q8_0 tiles take their weights by the bulk copy engine (sm_90) unless DS4_GPU_MV_IMMA_BULK=0
-    (read once a process): a child process with the switch off takes cp.async and gives the same bits
-    for a wide call and a narrow one with partial chunks (K = 4352: 136 units, the last chunk 8) and a
-    persistent grid."""
+    """The Q8_0 tiles take their weights, and the grouped Q4_K kernel its weights and planes, by the bulk
+    copy engine (sm_90) unless DS4_GPU_MV_IMMA_BULK=0 (read once a process): a child process with the
+    switch off takes cp.async and gives the same bits for a wide call and a narrow one with partial
+    chunks (K = 4352: 136 units, the last chunk 8) and a persistent grid, and for a grouped Q4_K
+    product with a partial last chunk (K = 2304) and a row tail (200 rows)."""
     rng = np.random.default_rng()
     data = {}
     for name, (ne0, ne1, width) in {"wide": (4352, 500, 40), "narrow": (1536, 9000, 7)}.items():
         data[name + "_shape"] = np.array([ne0, ne1])
         data[name + "_raw"] = tame_raw(Q8_0, ne0 * ne1, rng)
         data[name + "_x"] = rng.standard_normal((width, ne0)).astype(np.float32)
+    ne0, ne1, n_expert, n_lanes = 2304, 200, 4, 48
+    data["grouped_shape"] = np.array([ne0, ne1, n_expert])
+    data["grouped_raw"] = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
+    data["grouped_x"] = rng.standard_normal((n_lanes, ne0)).astype(np.float32)
+    data["grouped_pe"] = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
+    data["grouped_xr"] = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
     np.savez(tmp_path / "in.npz", **data)
     env = dict(os.environ, DS4_GPU_MV_IMMA_BULK="0")
     subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "in.npz"), str(tmp_path / "out.npz")], env=env,
                    check=True, timeout=300)
     child = np.load(tmp_path / "out.npz")
     assert int(child["q8_cp_async"]) == 2 and int(child["q8_bulk"]) == 0
+    assert int(child["q4k_cp_async"]) == 1 and int(child["q4k_bulk"]) == 0
     imma(1)
     for name in ("wide", "narrow"):
         ne0, ne1 = (int(v) for v in data[name + "_shape"])
@@ -149,6 +161,13 @@ def test_weights_by_cp_async_equal_the_bulk_copies(imma, tmp_path) -> None:
         got = T.gpu_matmul(Q8_0, data[name + "_raw"], ne0, ne1, data[name + "_x"])
         assert T.gpu_imma_launches("q8_bulk") - before == 1
         assert same_bits(got, child[name]), name
+    T.gpu_set_matvec_imma_grouped(1)
+    ne0, ne1, n_expert = (int(v) for v in data["grouped_shape"])
+    before = T.gpu_imma_launches("q4k_bulk")
+    got = T.gpu_matmul_grouped(Q4_K, data["grouped_raw"], ne0, ne1, n_expert, data["grouped_x"], data["grouped_pe"],
+                               data["grouped_xr"], 8)
+    assert T.gpu_imma_launches("q4k_bulk") - before == 1
+    assert same_bits(got, child["grouped"])
 
 
 def test_nonfinite_and_zero_units_match(imma) -> None:
@@ -216,9 +235,9 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
-        before = T.gpu_imma_launches("q4k")
+        before = T.gpu_imma_launches("q4k_bulk")
         got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
-        assert T.gpu_imma_launches("q4k") - before == 1
+        assert T.gpu_imma_launches("q4k_bulk") - before == 1
         assert same_bits(got, want), max_part
     expert_bytes = ne0 // 256 * 144 * ne1
     imma(0)
