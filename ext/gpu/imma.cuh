@@ -173,6 +173,11 @@ __device__ __forceinline__ void bulk_wait(uint64_t* bar, unsigned parity) {
         : "r"(b), "r"(parity)
         : "memory");
 }
+// Waits on stage `stage`'s barrier for its next phase; phase holds each stage's parity (bit s), flipped here.
+__device__ __forceinline__ void bulk_wait_stage(uint64_t* bars, unsigned& phase, int stage) {
+  bulk_wait(bars + stage, (phase >> stage) & 1u);  // each thread sees the stage land
+  phase ^= 1u << stage;
+}
 #endif
 
 #endif  // DS4_IMMA

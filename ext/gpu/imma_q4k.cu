@@ -204,8 +204,7 @@ __global__ void __launch_bounds__(kGqThreads)
 #if defined(DS4_IMMA_BULK)
       if constexpr (BULK) {
         if (nq >= 0) issue(nq, stage ^ 1);
-        bulk_wait(bulk_bar + stage, (bulk_phase >> stage) & 1u);  // each thread sees the stage land
-        bulk_phase ^= 1u << stage;
+        bulk_wait_stage(bulk_bar, bulk_phase, stage);
       } else
 #endif
       {

@@ -289,8 +289,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 #if defined(DS4_IMMA_BULK)
     if constexpr (BULK) {
       if (n_item >= 0) issue(nrb, n_item, stage ^ 1);
-      bulk_wait(bulk_bar + stage, (bulk_phase >> stage) & 1u);  // each thread sees the stage land
-      bulk_phase ^= 1u << stage;
+      bulk_wait_stage(bulk_bar, bulk_phase, stage);
     } else
 #endif
     {

@@ -195,7 +195,6 @@ __device__ __forceinline__ void load_half_planes(const uint8_t* p, int h, HalfPl
   xp.p0[0] = a.x, xp.p0[1] = a.y, xp.p0[2] = a.z, xp.p0[3] = a.w;
   xp.p1[0] = b.x, xp.p1[1] = b.y, xp.p1[2] = b.z, xp.p1[3] = b.w;
   xp.p2[0] = c.x, xp.p2[1] = c.y, xp.p2[2] = c.z, xp.p2[3] = c.w;
-  (void)h;
   xp.s = ds4_bits_to_float(t.z);
   xp.sm = ds4_bits_to_float(t.y);
 }
