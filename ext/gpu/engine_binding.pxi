@@ -42,6 +42,8 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool route_fused()
         void set_attn_q_fused(cbool on) except +
         cbool attn_q_fused()
+        void set_parallel_compressor(cbool on) except +
+        cbool parallel_compressor()
         vector[int64_t] l2_prefetch_log() except +
         uint64_t l2_prefetch_window_bytes()
 
@@ -262,6 +264,17 @@ cdef class GpuEngine:
     @use_attn_q_fused.setter
     def use_attn_q_fused(self, on):
         self._get().set_attn_q_fused(bool(on))
+
+    @property
+    def use_parallel_compressor(self):
+        """Whether the compressors of a prompt step run a block per finished compressed block (then
+        the state in a second launch) instead of a block per slot over its lanes in order (default
+        on, DS4_GPU_COMP_PARALLEL=0 off). Decode steps always take the serial kernel. The same bits."""
+        return bool(self._get().parallel_compressor())
+
+    @use_parallel_compressor.setter
+    def use_parallel_compressor(self, on):
+        self._get().set_parallel_compressor(bool(on))
 
     @property
     def l2_prefetch_window_bytes(self):

@@ -193,6 +193,9 @@ struct GpuEngine::Impl {
   // q_heads inside the attention's split kernel (set_attn_q_fused; AttentionLaunch::q_raw), for
   // steps of at most kAttnQFusedMaxLanes lanes.
   bool attn_q_fused = false;
+  // The compressors' parallel path (set_parallel_compressor; step_ops.h compressor_update) for steps
+  // where a slot has several lanes (n > n_groups: prompt rows); decode steps keep the serial kernel.
+  bool parallel_compressor = false;
   uint8_t* hc_scratch = nullptr;  // hc_site's block sums
   // hc_site's post writes the streams apart from its input: x_hc and x_hc_next swap after each one
   // (launch_step starts every step on x_hc_base).
@@ -252,7 +255,7 @@ struct GpuEngine::Impl {
   // least row width; the fused mHC sites).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool>;
+                 bool, bool>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -419,6 +422,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
   route_fused = env_flag("DS4_GPU_ROUTE_FUSED", true);
   attn_q_fused = env_flag("DS4_GPU_ATTN_Q_FUSED", true);
+  parallel_compressor = env_flag("DS4_GPU_COMP_PARALLEL", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
     char* end = nullptr;
@@ -903,16 +907,17 @@ void GpuEngine::Impl::attention_layer(int l) {
   drop_planes(0);
   // (A') The KV side, on the side branch: the raw row's norm and RoPE, the compressors' APE and state
   // updates read only what the u products wrote; beside it the q path (q_lat's norm, q_b, the heads).
+  const bool comp_parallel = parallel_compressor && n > n_groups;
   on_side([&] {
     kv_finish(kvf, n, static_cast<int>(hd), rd, L.kv_norm, eps, lanes.pos, freqs(l), qat, kv16, stream);
     if (L.ratio > 0) {
       const int64_t width = (L.ratio == 4 ? 2 : 1) * hd;
       add_ape(comp_sc, cw, n, width, L.comp.ape, L.ratio, lanes.pos, stream);
-      compressor_update(compressor_launch(l, false), lanes, n_groups, stream);
+      compressor_update(compressor_launch(l, false), lanes, n, n_groups, comp_parallel, stream);
     }
     if (L.ratio == 4) {
       add_ape(idx_sc, icw, n, 2 * ihd, L.idx_comp.ape, 4, lanes.pos, stream);
-      compressor_update(compressor_launch(l, true), lanes, n_groups, stream);
+      compressor_update(compressor_launch(l, true), lanes, n, n_groups, comp_parallel, stream);
     }
     run_comb_due();
   });
@@ -1136,7 +1141,7 @@ void GpuEngine::Impl::run_graph() {
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
-                     hc_fused, route_fused, attn_q_fused};
+                     hc_fused, route_fused, attn_q_fused, parallel_compressor};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1265,6 +1270,8 @@ void GpuEngine::set_route_fused(bool on) { impl_->route_fused = on; }
 bool GpuEngine::route_fused() const { return impl_->route_fused; }
 void GpuEngine::set_attn_q_fused(bool on) { impl_->attn_q_fused = on; }
 bool GpuEngine::attn_q_fused() const { return impl_->attn_q_fused; }
+void GpuEngine::set_parallel_compressor(bool on) { impl_->parallel_compressor = on; }
+bool GpuEngine::parallel_compressor() const { return impl_->parallel_compressor; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }
 uint64_t GpuEngine::l2_prefetch_window_bytes() const { return impl_->prefetch_cap; }
 

@@ -127,6 +127,12 @@ class GpuEngine {
   // Part of the graph key.
   void set_attn_q_fused(bool on);
   bool attn_q_fused() const;
+  // The compressors' parallel path for prompt steps (step_ops.h compressor_update): a block per
+  // finished compressed block, then the state in a second launch, instead of a block per slot that
+  // runs the slot's lanes in order. Taken where a slot has several lanes in the step; the same bits.
+  // Default: on; DS4_GPU_COMP_PARALLEL=0 turns it off. Part of the graph key.
+  void set_parallel_compressor(bool on);
+  bool parallel_compressor() const;
   // What the last step that launched its kernels (eager, or a graph capture) asked L2 for: four
   // numbers a range, (window, layer, file offset, bytes); windows 0 = the attention prologue of
   // `layer` (its mHC weights, the u products, q_b), 1 = its attention (wo_a, wo_b), 2 = its FFN
@@ -179,6 +185,8 @@ class GpuEngine {
   bool route_fused() const { return false; }
   void set_attn_q_fused(bool) { throw std::runtime_error("no GPU backend"); }
   bool attn_q_fused() const { return false; }
+  void set_parallel_compressor(bool) { throw std::runtime_error("no GPU backend"); }
+  bool parallel_compressor() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }
   uint64_t l2_prefetch_window_bytes() const { return 0; }
 };

@@ -2,11 +2,17 @@
 // gathered attention over the paged state. Phase B of ext/engine/engine.cpp, reorganised so that
 // different slots run in parallel and no lane waits on another:
 //
-//   compressor_update  grid = slots in the step, 256 threads. A slot's lanes run in order inside
-//                      the block (the state is sequential); channels split over threads. A finished
-//                      block is pooled (per-channel softmax over its candidates), normed, rotated,
-//                      QAT'd and stored as f16 into its page. Entries are write-once, and a lane only
-//                      reads entries s < (t+1)/m, so running every compressor before any attention
+//   compressor_update  serial (decode steps): grid = slots in the step, 256 threads. A slot's lanes
+//                      run in order inside the block through the state; channels split over
+//                      threads. A finished block is pooled (per-channel softmax over its
+//                      candidates), normed, rotated, QAT'd and stored as f16 into its page.
+//                      Parallel (prompt steps): compressor_pool, a block per finished block (grid
+//                      ceil(n / m) x slots), reads its candidates from this step's projection rows
+//                      or the state as the step found it; then compressor_state, a block per
+//                      residue and slot, leaves the state as the serial kernel would. The same
+//                      pooling and row code: the same bits (a 2048-token prompt was one block of
+//                      2048 sequential lanes). Entries are write-once, and a lane only reads
+//                      entries s < (t+1)/m, so running every compressor before any attention
 //                      gives each lane exactly the rows the CPU's interleaved order gives it.
 //                      Bytes: 8 * width per lane (state) + 2 c per emitted row.
 //   indexer_scores     grid (entry blocks of 64, lanes), 8 warps; the lane's queries and weights in
@@ -51,10 +57,76 @@ __device__ __forceinline__ int64_t min64(int64_t a, int64_t b) { return a < b ? 
 
 // --- compressor --------------------------------------------------------------------------------
 
+// Candidate r of a finished block (CSA: the m previous rows at column ch, then the m current rows at
+// column c + ch; HCA: the m rows at column ch), as pointers to its value and score runs of c floats.
+// Both compressor paths pool through these, so they share the order of the arithmetic and the bits.
+struct CompressorCands {
+  const float** kv;  // [n] value runs
+  const float** sc;  // [n] score runs
+  int n;
+};
+
+// Column offset of candidate r inside a state or projection row (CSA's current half at c).
+__device__ __forceinline__ int cand_col(int r, int m, int c) { return (m == 4 && r >= m) ? c : 0; }
+
+// buf[ch] = softmax over the candidates' scores of channel ch, applied to their values: the max
+// first, then exp-sum and weighted sum in candidate order (compressor.cpp). Ends with a barrier.
+__device__ __forceinline__ void pool_candidates(const CompressorCands& cd, int c, float* buf) {
+  for (int ch = threadIdx.x; ch < c; ch += kRowThreads) {
+    float mx = cd.sc[0][ch];
+    for (int r = 1; r < cd.n; ++r) mx = fmaxf(mx, cd.sc[r][ch]);
+    float den = 0.0f, num = 0.0f;
+    for (int r = 0; r < cd.n; ++r) {
+      const float e = expf(cd.sc[r][ch] - mx);
+      den += e;
+      num += e * cd.kv[r][ch];
+    }
+    buf[ch] = num / den;
+  }
+  __syncthreads();
+}
+
+// The pooled row buf[0..c) of the block that starts at token `start`: normed, rotated, QAT'd and
+// stored as f16 into its page (table: the slot's block table). Ends with a barrier.
+__device__ __forceinline__ void store_compressed_row(float* buf, const CompressorLaunch& a, int64_t start,
+                                                     const int32_t* table, double* red) {
+  const int c = a.c;
+  const float r = rms_factor(buf, c, a.eps, red);
+  scale_row(buf, c, r, a.norm);
+  rope_block(buf + (c - a.rope_dim), a.rope_dim / 2, start, a.inv_freq, false);
+  if (a.qat == 1) {
+    fp8_block(buf, c - a.rope_dim);
+  } else if (a.qat == 2) {
+    hadamard_block(buf, c);
+    fp4_block(buf, c);
+  }
+  const int64_t page = table[start / kPage];
+  uint16_t* dst = a.pages + page * a.page_elems + a.row_off + ((start % kPage) / a.ratio) * c;
+  for (int e = threadIdx.x; e < c; e += kRowThreads) dst[e] = f32_to_f16_bits(buf[e]);
+  __syncthreads();
+}
+
+// Dynamic shared memory of both compressor kernels: the candidates' pointers, then the pooled row.
+size_t compressor_smem(const CompressorLaunch& a) {
+  return 2 * static_cast<size_t>(a.rows) * sizeof(const float*) + static_cast<size_t>(a.c) * sizeof(float);
+}
+
+__device__ __forceinline__ CompressorCands compressor_cands(const CompressorLaunch& a, void* smem) {
+  const float** p = reinterpret_cast<const float**>(smem);
+  return CompressorCands{p, p + a.rows, a.ratio == 4 ? 2 * a.ratio : a.ratio};
+}
+
+__device__ __forceinline__ float* compressor_buf(const CompressorLaunch& a, void* smem) {
+  return reinterpret_cast<float*>(reinterpret_cast<const float**>(smem) + 2 * a.rows);
+}
+
+// The serial path (decode steps): a block a slot, its lanes in order through the state.
 __global__ void __launch_bounds__(kRowThreads) compressor_kernel(CompressorLaunch a, StepLanes L) {
   ds4_grid_begin();
-  extern __shared__ float buf[];  // the pooled row [c]
+  extern __shared__ __align__(16) unsigned char smem[];
   __shared__ double red[kRowWarps];
+  const CompressorCands cd = compressor_cands(a, smem);
+  float* buf = compressor_buf(a, smem);
   const int g = static_cast<int>(blockIdx.x);
   const int slot = L.grp_slot[g], first = L.grp_first[g], len = L.grp_len[g];
   const int m = a.ratio, w = a.width, c = a.c;
@@ -62,6 +134,10 @@ __global__ void __launch_bounds__(kRowThreads) compressor_kernel(CompressorLaunc
   float* kv = a.states + static_cast<int64_t>(slot) * a.state_per_slot + a.kv_off;
   float* sc = kv + static_cast<int64_t>(a.rows) * w;
   const int32_t* table = L.tables + static_cast<int64_t>(g) * L.max_blocks;
+  for (int r = threadIdx.x; r < cd.n; r += kRowThreads) {  // the candidates are the state's rows
+    cd.kv[r] = kv + static_cast<int64_t>(r) * w + cand_col(r, m, c);
+    cd.sc[r] = sc + static_cast<int64_t>(r) * w + cand_col(r, m, c);
+  }
   for (int k = 0; k < len; ++k) {
     const int i = L.order[first + k];
     const int64_t t = L.pos[i];
@@ -74,45 +150,91 @@ __global__ void __launch_bounds__(kRowThreads) compressor_kernel(CompressorLaunc
     }
     __syncthreads();
     if ((t + 1) % m != 0) continue;  // t is the same for the whole block
-
-    // Candidates of channel ch: CSA the m previous rows at column ch, then the m current rows at
-    // column c + ch; HCA the m rows at column ch. Fixed order, as compressor.cpp.
-    const int n_cand = overlap ? 2 * m : m;
-    for (int ch = threadIdx.x; ch < c; ch += kRowThreads) {
-      float mx = sc[ch];
-      for (int r = 1; r < n_cand; ++r)
-        mx = fmaxf(mx, sc[static_cast<int64_t>(r) * w + ((overlap && r >= m) ? c + ch : ch)]);
-      float den = 0.0f, num = 0.0f;
-      for (int r = 0; r < n_cand; ++r) {
-        const int64_t col = static_cast<int64_t>(r) * w + ((overlap && r >= m) ? c + ch : ch);
-        const float e = expf(sc[col] - mx);
-        den += e;
-        num += e * kv[col];
-      }
-      buf[ch] = num / den;
-    }
-    __syncthreads();
+    pool_candidates(cd, c, buf);
     if (overlap) {  // the current block becomes the next one's previous half
       for (int e = threadIdx.x; e < m * w; e += kRowThreads) {
         kv[e] = kv[static_cast<int64_t>(m) * w + e];
         sc[e] = sc[static_cast<int64_t>(m) * w + e];
       }
     }
-    const int64_t start = t + 1 - m;  // first token of the finished block
-    const float r = rms_factor(buf, c, a.eps, red);
-    scale_row(buf, c, r, a.norm);
-    rope_block(buf + (c - a.rope_dim), a.rope_dim / 2, start, a.inv_freq, false);
-    if (a.qat == 1) {
-      fp8_block(buf, c - a.rope_dim);
-    } else if (a.qat == 2) {
-      hadamard_block(buf, c);
-      fp4_block(buf, c);
-    }
-    const int64_t page = table[start / kPage];
-    uint16_t* dst = a.pages + page * a.page_elems + a.row_off + ((start % kPage) / m) * c;
-    for (int e = threadIdx.x; e < c; e += kRowThreads) dst[e] = f32_to_f16_bits(buf[e]);
-    __syncthreads();
+    store_compressed_row(buf, a, t + 1 - m, table, red);
   }
+}
+
+// The parallel path (prompt steps), two launches. compressor_pool: grid (ceil(n / m), groups); block
+// (k, g) pools group g's k-th block finished in this step, its candidates read where the serial
+// kernel would find them: this step's projection rows for tokens >= t0 (the group's first
+// position), else the state as the step found it (current rows for tokens of t0's block, previous
+// rows before it). compressor_state then leaves the state as the serial kernel would.
+__global__ void __launch_bounds__(kRowThreads) compressor_pool_kernel(CompressorLaunch a, StepLanes L) {
+  ds4_grid_begin();
+  extern __shared__ __align__(16) unsigned char smem[];
+  __shared__ double red[kRowWarps];
+  const int g = static_cast<int>(blockIdx.y);
+  const int first = L.grp_first[g], len = L.grp_len[g];
+  const int m = a.ratio, w = a.width, c = a.c;
+  const bool overlap = m == 4;
+  const int64_t t0 = L.pos[L.order[first]];
+  const int64_t t = t0 + (m - 1 - t0 % m) + static_cast<int64_t>(blockIdx.x) * m;  // its last token
+  if (t >= t0 + len) return;
+  const int64_t start = t + 1 - m, b0 = t0 - t0 % m;
+  const CompressorCands cd = compressor_cands(a, smem);
+  float* buf = compressor_buf(a, smem);
+  const float* kv = a.states + static_cast<int64_t>(L.grp_slot[g]) * a.state_per_slot + a.kv_off;
+  const float* sc = kv + static_cast<int64_t>(a.rows) * w;
+  for (int r = threadIdx.x; r < cd.n; r += kRowThreads) {
+    const int64_t u = (overlap ? start - m : start) + r;  // candidate r's token
+    const int col = cand_col(r, m, c);
+    if (u >= t0) {
+      const int64_t i = L.order[first + (u - t0)];
+      cd.kv[r] = a.k + i * a.ld + col;
+      cd.sc[r] = a.z + i * a.ld + col;
+    } else {
+      const int64_t row = (u >= b0 && overlap ? m : 0) + ((u % m) + m) % m;
+      cd.kv[r] = kv + row * w + col;
+      cd.sc[r] = sc + row * w + col;
+    }
+  }
+  __syncthreads();
+  pool_candidates(cd, c, buf);
+  store_compressed_row(buf, a, start, L.tables + static_cast<int64_t>(g) * L.max_blocks, red);
+}
+
+// grid (m, groups): block (q, g) writes the rows of residue q of group g's state. CSA: the last
+// block finished in this step (if any) becomes the previous rows; then each current row holds the
+// step's last token of its residue (if any). Rows no token of the step reaches keep their bytes.
+__global__ void __launch_bounds__(kRowThreads) compressor_state_kernel(CompressorLaunch a, StepLanes L) {
+  ds4_grid_begin();
+  const int q = static_cast<int>(blockIdx.x), g = static_cast<int>(blockIdx.y);
+  const int first = L.grp_first[g], len = L.grp_len[g];
+  const int m = a.ratio, w = a.width;
+  const bool overlap = m == 4;
+  const int64_t t0 = L.pos[L.order[first]], last = t0 + len - 1;
+  float* kv = a.states + static_cast<int64_t>(L.grp_slot[g]) * a.state_per_slot + a.kv_off;
+  float* sc = kv + static_cast<int64_t>(a.rows) * w;
+  const int64_t cur = (overlap ? m : 0) + q;
+  auto copy_row = [&](int64_t dst, int64_t u) {  // token u's row into state row dst
+    const float *ks, *zs;
+    if (u >= t0) {
+      const int64_t i = L.order[first + (u - t0)];
+      ks = a.k + i * a.ld;
+      zs = a.z + i * a.ld;
+    } else {  // a token of an earlier step: still in its current row
+      ks = kv + cur * w;
+      zs = sc + cur * w;
+    }
+    for (int e = threadIdx.x; e < w; e += kRowThreads) {
+      kv[dst * w + e] = ks[e];
+      sc[dst * w + e] = zs[e];
+    }
+  };
+  if (overlap) {
+    const int64_t end = (last + 1) / m * m;  // one past the last finished block
+    if (end - 1 >= t0) copy_row(q, end - m + q);
+    __syncthreads();  // the current row may have been the source
+  }
+  const int64_t u = last - ((last - q) % m + m) % m;  // the step's last token of residue q
+  if (u >= t0) copy_row(cur, u);
 }
 
 // --- indexer scores ------------------------------------------------------------------------------
@@ -562,11 +684,22 @@ __global__ void __launch_bounds__(128)
 
 }  // namespace
 
-void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n_groups, Stream s) {
+void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n, int n_groups, bool parallel,
+                       Stream s) {
   if (n_groups <= 0) return;
-  if (a.c > 12 * 1024) throw std::invalid_argument("GPU compressor: row width above 12288");
-  launch(compressor_kernel, n_groups, kRowThreads, static_cast<size_t>(a.c) * sizeof(float), cs(s), a, L);
-  DS4_GPU_CHECK_LAUNCH("compressor_kernel");
+  const size_t smem = compressor_smem(a);
+  if (smem > 48 * 1024) throw std::invalid_argument("GPU compressor: a pooled row and its candidates above 48 KB of shared memory");
+  if (!parallel) {
+    launch(compressor_kernel, n_groups, kRowThreads, smem, cs(s), a, L);
+    DS4_GPU_CHECK_LAUNCH("compressor_kernel");
+    return;
+  }
+  const unsigned groups = static_cast<unsigned>(n_groups);
+  launch(compressor_pool_kernel, dim3(static_cast<unsigned>((n + a.ratio - 1) / a.ratio), groups), kRowThreads, smem,
+         cs(s), a, L);
+  DS4_GPU_CHECK_LAUNCH("compressor_pool_kernel");
+  launch(compressor_state_kernel, dim3(static_cast<unsigned>(a.ratio), groups), kRowThreads, 0, cs(s), a, L);
+  DS4_GPU_CHECK_LAUNCH("compressor_state_kernel");
 }
 
 void indexer_scores(const float* Q, const float* W, int n, int n_heads, int head_dim, const StepLanes& L,

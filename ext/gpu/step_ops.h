@@ -152,7 +152,10 @@ struct CompressorLaunch {
   int64_t page_elems = 0;         // f16 elements per page
   int64_t row_off = 0;            // element offset of this layer's rows inside a page
 };
-void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n_groups, Stream s);
+// n lanes in n_groups slots; parallel: the prompt path (a block per finished block, then the state
+// in a second launch) instead of a block per slot running its lanes in order. The same bits.
+void compressor_update(const CompressorLaunch& a, const StepLanes& L, int n, int n_groups, bool parallel,
+                       Stream s);
 
 // Indexer scores I(t, s) = sum_h w_h ReLU(q_h . K_s) for s < (t+1)/4 of every lane that has more
 // visible entries than top_k (others need none). scores: [lane][ld_scores].

@@ -17,6 +17,8 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). On t
 - the same greedy tokens as the CPU engine for 5 prompts;
 - batch invariance without tolerance: a sequence's logits bit-identical alone, beside 1-5 others,
   with its prompt packed 1, 4 or 16 rows a step, in any slot and on any pages, and in a reused slot;
+- the compressors' parallel prompt path (``use_parallel_compressor``) gives the serial kernel's
+  logits and slot states bit for bit;
 - width exactness: every packing width 1..16 gives the same bits; CUDA graph replay gives the
   bits of launching each kernel; so do matvec's tall variant and its staged kernel (an LM head of
   16448 rows; the staged kernel also takes q_b and the tiny LM head from 2 rows a step); all three
@@ -242,6 +244,48 @@ def test_slot_reuse_matches_a_fresh_engine(invariance_case) -> None:
     eng.reset_slot(0)
     got = run(eng, [Seq(target, slot=0, pages=[1, 2], rows=4)])[0]
     assert np.array_equal(got, baseline)
+
+
+def test_parallel_compressor_gives_the_serial_bits(model_dir: Path) -> None:
+    """The compressors of prompt steps a block per finished compressed block, then the state in a
+    second launch (use_parallel_compressor, the default), against one block a slot running its lanes
+    in order: every lane's logits and every slot's state (rings, compressed rows, the CSA, HCA and
+    indexer compressor states) bit for bit, eager and under graphs. Prompts packed 40, 16 and 5 rows
+    a step start at every residue of 4 and cross HCA's blocks of 128 (a 300-token prompt finishes two
+    inside 40-row steps), beside a sequence fed a row a step (its lone steps take the serial kernel)."""
+    mf = model(model_dir, "tiny", seed=14)
+    seqs = [Seq(prompt(mf, 60, 300), slot=0, pages=[0, 1, 2], rows=40),
+            Seq(prompt(mf, 61, 150), slot=1, pages=[3, 4], rows=16, start=3),
+            Seq(prompt(mf, 62, 37), slot=2, pages=[5], rows=5, start=1),
+            Seq(prompt(mf, 63, 21), slot=3, pages=[6], rows=1, start=2)]
+    gpu = gpu_engine(mf, max_slots=4, max_rows=64)
+    assert gpu.use_parallel_compressor  # the default
+
+    def under(parallel: bool, graphs: bool):
+        gpu.use_parallel_compressor = parallel
+        gpu.use_graphs = graphs
+        for s in range(4):
+            gpu.reset_slot(s)
+        logits = run(gpu, seqs)
+        states = []
+        for s in seqs:
+            table = np.asarray(s.pages + [-1] * (PAGES_PER_SEQ - len(s.pages)), np.int32)
+            states.append(native._testing.gpu_export_slot_state(gpu, s.slot, table, len(s.tokens)))
+        return logits, states
+
+    serial = under(False, False)
+    for graphs in (False, True):
+        logits, states = under(True, graphs)
+        for got, want in zip(logits, serial[0]):
+            assert np.array_equal(got.view(np.uint32), want.view(np.uint32)), graphs
+        for got, want in zip(states, serial[1]):
+            assert got.keys() == want.keys()
+            for key in want:
+                for layer, (g, w) in enumerate(zip(got[key], want[key])):
+                    assert (g is None) == (w is None), (key, layer)
+                    if w is not None:
+                        assert np.array_equal(np.asarray(g).view(np.uint8), np.asarray(w).view(np.uint8)), (
+                            key, layer, graphs)
 
 
 def test_graph_replay_gives_the_same_bits(invariance_case) -> None:
