@@ -497,16 +497,15 @@ __global__ void __launch_bounds__(DS4_WARP) hc_comb_kernel(float* __restrict__ c
   if (lane < HC * HC) comb[i * HC * HC + lane] = v;
 }
 
+// H heads a block (n_head % H == 0), in place.
+template <int H>
 __global__ void __launch_bounds__(kRowThreads)
     q_heads_kernel(float* __restrict__ Q, int n_head, int head_dim, int rope_dim, float eps,
                    const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
   ds4_grid_begin();
-  __shared__ double red[kRowWarps];
-  const int i = static_cast<int>(blockIdx.x) / n_head;
-  float* row = Q + static_cast<int64_t>(blockIdx.x) * head_dim;
-  const float r = rms_factor(row, head_dim, eps, red);
-  scale_row(row, head_dim, r, nullptr);
-  rope_block(row + (head_dim - rope_dim), rope_dim / 2, pos[i], inv_freq, false);
+  __shared__ double red[H][kRowWarps];
+  const int64_t h0 = static_cast<int64_t>(blockIdx.x) * H;  // over lanes x heads
+  norm_rope_heads<H>(Q + h0 * head_dim, H, head_dim, rope_dim, eps, pos[h0 / n_head], inv_freq, red);
 }
 
 __global__ void __launch_bounds__(kRowThreads)
@@ -782,10 +781,18 @@ void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d,
   DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (head)");
 }
 
+// From this many lanes q_heads runs 4 heads a block (decode steps keep a head a block).
+constexpr int kQHeadsPromptLanes = 16;
+
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
              const double* inv_freq, Stream s) {
   if (n <= 0) return;
-  launch(q_heads_kernel, n * n_head, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
+  // Prompt steps 4 heads a block: a block's latency (two passes and their barriers) for four heads
+  // (pass 24: a head a block made q_heads 0.9 ms a 2048-row step of flash-l4). The same bits.
+  if (n >= kQHeadsPromptLanes && n_head % 4 == 0)
+    launch(q_heads_kernel<4>, n * n_head / 4, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
+  else
+    launch(q_heads_kernel<1>, n * n_head, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
   DS4_GPU_CHECK_LAUNCH("q_heads_kernel");
 }
 

@@ -600,25 +600,15 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
     attn_split_block<HB>(kp, nk, lg, cap, q, a.head_dim, nh, scale, part, stats);
     return;
   }
-  // q_heads_kernel's work on a copy of the group's heads, all heads at once: rms_factors (each r
-  // with rms_factor's bits), then scale_row's and rope_block's arithmetic element by element (the
-  // same bits), a barrier each; then the split reads q from there.
+  // q_heads_kernel's work (norm_rope_heads, the same bits) on a copy of the group's heads; then the
+  // split reads q from there.
   static_assert(kAttnThreads == kRowThreads, "q_heads' reductions are written for its 256 threads");
   __shared__ double red[HB][kRowWarps];
   float* qs = attn_q_shared(smem, cap, HB);  // [HB][head_dim]
-  const int hd = a.head_dim, half = a.rope_dim / 2, elems = nh * hd;
+  const int hd = a.head_dim, elems = nh * hd;
   for (int e = static_cast<int>(threadIdx.x); e < elems; e += kAttnThreads) qs[e] = q[e];
   __syncthreads();
-  float r[HB];
-  rms_factors<HB>(qs, hd, nh, a.q_eps, red, r);
-#pragma unroll
-  for (int h = 0; h < HB; ++h)
-    if (h < nh)
-      for (int e = static_cast<int>(threadIdx.x); e < hd; e += kAttnThreads) qs[h * hd + e] = qs[h * hd + e] * r[h];
-  __syncthreads();
-  for (int e = static_cast<int>(threadIdx.x); e < nh * half; e += kAttnThreads)
-    rope_pair(qs + (e / half) * hd + (hd - a.rope_dim), e % half, L.pos[li], a.inv_freq, false);
-  __syncthreads();
+  norm_rope_heads<HB>(qs, nh, hd, a.rope_dim, a.q_eps, L.pos[li], a.inv_freq, red);
   attn_split_block<HB, true>(kp, nk, lg, cap, qs, hd, nh, scale, part, stats);
 }
 

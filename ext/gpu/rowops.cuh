@@ -138,6 +138,25 @@ __device__ __forceinline__ void rope_block(float* tail, int half, int64_t pos, c
   __syncthreads();
 }
 
+// q_heads' work on nh <= H heads of hd floats at x (shared or global memory the block owns): each
+// head's unweighted RMSNorm (rms_factors: rms_factor's bits; scale_row's product) with one barrier for
+// all of them, then the tail RoPE at pos (rope_block's pairs). Ends with a barrier.
+template <int H>
+__device__ __forceinline__ void norm_rope_heads(float* x, int nh, int hd, int rope_dim, float eps, int64_t pos,
+                                                const double* inv_freq, double (*red)[kRowWarps]) {
+  float r[H];
+  rms_factors<H>(x, hd, nh, eps, red, r);
+#pragma unroll
+  for (int h = 0; h < H; ++h)
+    if (h < nh)
+      for (int e = static_cast<int>(threadIdx.x); e < hd; e += kRowThreads) x[h * hd + e] = x[h * hd + e] * r[h];
+  __syncthreads();
+  const int half = rope_dim / 2;
+  for (int e = static_cast<int>(threadIdx.x); e < nh * half; e += kRowThreads)
+    rope_pair(x + (e / half) * hd + (hd - rope_dim), e % half, pos, inv_freq, false);
+  __syncthreads();
+}
+
 // 2^ceil(log2(r)) for r > 0, exactly (ops.cpp pow2_ceil).
 __device__ __forceinline__ float pow2_ceil_dev(float r) {
   int e;
