@@ -3,7 +3,7 @@ on the device's own clock (PyTorch's CUPTI profiler), as a timeline and as the t
 to the step.
 
     python3 ext/gpu/bench/graph_timeline.py MODEL.gguf [--c 1,8] [--steps 4] [--variants ",l2ahead=0"]
-                                            [--json OUT.json]
+                                            [--prompt-rows N] [--json OUT.json]
 
 The first C slots take a 600-token prompt, decode greedily through warm-up steps (which capture the
 bucket's graph), then --steps steps run under the profiler. A step's kernels are the events from one
@@ -15,6 +15,10 @@ own choosing, so streams tell nothing here.) Per step: the span (first start to 
 idle time inside it (no kernel running) and the gap from the previous step's last kernel (host time
 between steps: the tokens' or logits' download, the plan, the upload and the graph launch; inflated
 by the profiler).
+
+With --prompt-rows N, prompt steps instead of decode: each profiled step prefills a fresh slot with N
+tokens of a random prompt at positions 0..N-1 in one step (N <= 4096; the bucket's graph captured in
+a warm-up prefill first), and C is reported as "pN".
 
 Prints, per C and variant, the mean span, idle and gap, and the kernels of one step in order; the JSON
 holds every step's rows (name, stream, start and end relative to the step, duration, added).
@@ -100,22 +104,34 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--ctx", type=int, default=600)
     ap.add_argument("--variants", default="", help="engine_bench --variants entries (',' apart; '' the defaults)")
+    ap.add_argument("--prompt-rows", type=int, default=0, help="profile prompt steps of this many rows instead")
     ap.add_argument("--json")
     args = ap.parse_args()
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     mf = ModelFile.open(args.model)
-    runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX, max_rows=64)
+    rows = args.prompt_rows
+    if rows and args.steps + 2 > SLOTS:
+        raise SystemExit(f"--prompt-rows: at most {SLOTS - 2} steps (a fresh slot each)")
+    runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX, max_rows=max(64, rows))
     l2_default = bool(runner._impl.use_l2_prefetch)
     rng = np.random.default_rng(0)
     nxt, pos = {}, {}
-    cs = [int(c) for c in args.c.split(",")]
-    for s in range(max(cs)):
+    cs = [1] if rows else [int(c) for c in args.c.split(",")]
+    for s in range(0 if rows else max(cs)):
         logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
         nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
+    fresh = []  # prompt steps: the slots not yet prefilled
 
     def step(c: int) -> None:  # greedy tokens from the device, as engine_bench's decode takes them
+        if rows:
+            if not fresh:
+                for s in range(SLOTS):
+                    runner.reset_slot(s)
+                fresh.extend(range(SLOTS))
+            prefill(runner, fresh.pop(), rng.integers(0, mf.config.n_vocab, rows), rows)
+            return
         lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
         got = runner.step_argmax(StepPlan.build(lanes, {s: table(s) for s in range(c)}, BLOCKS))
         for s in range(c):
@@ -126,6 +142,9 @@ def main() -> int:
         set_variant(runner, variant, l2_default)
         for c in cs:
             for _ in range(4):  # the bucket's graph is captured in the first
+                step(c)
+            if rows:  # the profiled steps each take a fresh slot, with no reset among them
+                fresh.clear()
                 step(c)
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -143,11 +162,11 @@ def main() -> int:
                 done.append(a)
             done = done[1:] if len(done) > 1 else done  # the first has no gap before it
             mean = lambda k: statistics.mean(d[k] for d in done)  # noqa: E731
-            run = {"c": c, "variant": variant, "span_us": mean("span_us"), "idle_us": mean("idle_us"),
+            run = {"c": f"p{rows}" if rows else c, "variant": variant, "span_us": mean("span_us"), "idle_us": mean("idle_us"),
                    "gap_before_us": mean("gap_before_us") if done[0]["gap_before_us"] is not None else None,
                    "kernels": done[0]["kernels"], "steps": done}
             result["runs"].append(run)
-            print(f"== C={c} [{variant}]: span {run['span_us']:.1f} us, idle inside {run['idle_us']:.1f} us, "
+            print(f"== C={run['c']} [{variant}]: span {run['span_us']:.1f} us, idle inside {run['idle_us']:.1f} us, "
                   f"gap before {run['gap_before_us'] or 0:.1f} us, {run['kernels']} kernels", flush=True)
             by = defaultdict(lambda: [0, 0.0, 0.0])
             for r in done[0]["rows"]:
