@@ -346,13 +346,15 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteL
         v = x[k * d + e];
       }
     }
-    float acc[MIX];
+    // The MIX warp sums by halving rounds (warp_sums: warp_sum's bits in NV - 1 shuffles, where 5 MIX
+    // butterfly shuffles a row bounded the prompt step's sums kernel, pass 24).
+    constexpr int NV = MIX <= 4 ? 4 : MIX <= 8 ? 8 : MIX <= 16 ? 16 : 32, per = DS4_WARP / NV;
+    static_assert(MIX <= DS4_WARP, "a lane holds one sum at the end");
+    float acc[NV];
 #pragma unroll
-    for (int r = 0; r < MIX; ++r) acc[r] = warp_sum(wt[r] * v);
-    if (lane == 0) {
-#pragma unroll
-      for (int r = 0; r < MIX; ++r) red_mix[warp][r] = acc[r];
-    }
+    for (int r = 0; r < NV; ++r) acc[r] = r < MIX ? wt[r] * v : 0.0f;
+    warp_sums<NV>(acc, lane);
+    if (lane % per == 0 && lane / per < MIX) red_mix[warp][lane / per] = acc[0];
     const double ss = block_sum(static_cast<double>(v) * v, red);  // its barrier also publishes red_mix
     const int64_t part = static_cast<int64_t>(row) * a.nb + b;
     if (tid == 0) a.part_ss[part] = ss;

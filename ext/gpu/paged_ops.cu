@@ -312,19 +312,6 @@ __device__ __forceinline__ void load_f16_run(const uint16_t* p, float f[PL]) {
   }
 }
 
-// One halving round over the first N values of v: the lanes with bit MASK set keep the upper half
-// (moved down to [0, N/2)), the others the lower half, each adding its partner's copy.
-template <int N, int MASK>
-__device__ __forceinline__ void halve(float* v, int lane) {
-  const bool up = (lane & MASK) != 0;
-#pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-    const float send = up ? v[k] : v[k + N / 2];
-    const float keep = up ? v[k + N / 2] : v[k];
-    v[k] = keep + ds4_shfl_xor(send, MASK);
-  }
-}
-
 template <int PL, int M>
 __global__ void __launch_bounds__(kRowThreads)
     indexer_scores_heads_kernel(const float* __restrict__ Q, const float* __restrict__ W, int n_heads, StepLanes L,
@@ -386,11 +373,7 @@ __global__ void __launch_bounds__(kRowThreads)
       }
       v[h] = acc;
     }
-    halve<NV, 16>(v, lane);
-    halve<NV / 2, 8>(v, lane);
-    halve<NV / 4, 4>(v, lane);
-    halve<NV / 8, 2>(v, lane);
-    halve<NV / 16, 1>(v, lane);
+    warp_sums<NV>(v, lane);
     float acc = 0.0f;
 #pragma unroll
     for (int p = 0; p < M; ++p) acc += ws[M * lane + p] * fmaxf(v[p], 0.0f);

@@ -68,6 +68,37 @@ __device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t
   return ss;
 }
 
+// One halving round over the first N values of v: the lanes with bit MASK set keep the upper half
+// (moved down to [0, N/2)), the others the lower half, each adding its partner's copy.
+template <int N, int MASK>
+__device__ __forceinline__ void halve(float* v, int lane) {
+  const bool up = (lane & MASK) != 0;
+#pragma unroll
+  for (int k = 0; k < N / 2; ++k) {
+    const float send = up ? v[k] : v[k + N / 2];
+    const float keep = up ? v[k + N / 2] : v[k];
+    v[k] = keep + ds4_shfl_xor(send, MASK);
+  }
+}
+
+// The warp sums of N values a lane (N a power of two): halving rounds at masks 16, 8, 4, 2, 1 while
+// a lane holds two or more values, warp_sum's butterfly steps after that. Each sum adds the same
+// operands in the same order as warp_sum of that value (v + the partner's v, masks 16 down to 1):
+// the same bits, in N - 1 shuffles for N <= 32 where N butterflies take 5 N. Then lane l holds the
+// sums of values (N / 32) l .. (N / 32) (l + 1) - 1 in v[0..N/32) for N >= 32, else the sum of value
+// l / (32 / N) in v[0].
+template <int N, int MASK = 16>
+__device__ __forceinline__ void warp_sums(float* v, int lane) {
+  if constexpr (MASK >= 1) {
+    if constexpr (N >= 2) {
+      halve<N, MASK>(v, lane);
+    } else {
+      v[0] += ds4_shfl_xor(v[0], MASK);
+    }
+    warp_sums<(N >= 2 ? N / 2 : 1), MASK / 2>(v, lane);
+  }
+}
+
 // rms_factor's r from the row's sum of squares t over n elements.
 __device__ __forceinline__ float rms_of_sumsq(double t, int64_t n, float eps) {
   return static_cast<float>(1.0 / sqrt(t / static_cast<double>(n) + static_cast<double>(eps)));
@@ -323,18 +354,22 @@ __device__ __forceinline__ void attn_split_block(const uint16_t* const* kp, int 
 #pragma unroll
     for (int j = 0; j < CH; ++j)
       if (lane + DS4_WARP * j < chunks) load_f16x8(row + 8 * (lane + DS4_WARP * j), kf[j]);
+    float s[HB];
 #pragma unroll
     for (int h = 0; h < HB; ++h) {
-      float s = 0.0f;
+      s[h] = 0.0f;
 #pragma unroll
       for (int j = 0; j < CH; ++j)
         if (lane + DS4_WARP * j < chunks) {
 #pragma unroll
-          for (int e = 0; e < 8; ++e) s = fmaf(qr[h][j][e], kf[j][e], s);
+          for (int e = 0; e < 8; ++e) s[h] = fmaf(qr[h][j][e], kf[j][e], s[h]);
         }
-      s = warp_sum(s);
-      if (lane == 0 && h < nh) lg[h * cap + i] = s * scale;
     }
+    // The HB dots' warp sums by halving rounds: warp_sum's bits in fewer shuffles (pass 24); lane l
+    // holds head l / (32 / HB)'s.
+    warp_sums<HB>(s, lane);
+    constexpr int per = DS4_WARP / HB;
+    if (lane % per == 0 && lane / per < nh) lg[(lane / per) * cap + i] = s[0] * scale;
   }
   __syncthreads();
 
