@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Pass 24 call 1 (the compressors' parallel prompt path, q_heads 4 heads a block): engine_run.sh (the GPU
+# tests, memcheck of engine_check --quick and of the parallel-compressor test, the bench with the parallel
+# compressor on and off in one process, the 2048-row profile, prompt timelines on and off, racecheck).
+set -uo pipefail
+mkdir -p $OUT/A
+OUT=$OUT/A ext/gpu/bench/engine_run.sh --budget 540 \
+  --bench-args "--prefill-rows 512,2048 --long-ctx 0 --steps 20 --profile-rows 2048 --variants ,comppar=0" \
+  --memcheck-tests tests/gpu/test_gpu_engine.py --memcheck-k "parallel_compressor or packing_width" \
+  --timeline "--prompt-rows 2048 --steps 3 --variants ,comppar=0"
+echo "done ($SECONDS s)"
