@@ -98,6 +98,8 @@ __global__ void __launch_bounds__(128)
 
 // --- tail RoPE --------------------------------------------------------------------------------
 
+constexpr int kMaxRopeHalf = 256;
+
 __global__ void __launch_bounds__(128)
     rope_tail_kernel(float* __restrict__ X, int n_heads, int64_t row_stride, int head_dim, int rope_dim,
                      const int32_t* __restrict__ pos, const double* __restrict__ inv_freq, int inverse) {
