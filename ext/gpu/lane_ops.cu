@@ -506,9 +506,8 @@ __global__ void __launch_bounds__(kRowThreads)
                    const int32_t* __restrict__ pos, const double* __restrict__ inv_freq) {
   ds4_grid_begin();
   __shared__ double red[H][kRowWarps];
-  __shared__ float rc[kMaxRopeHalf], rs[kMaxRopeHalf];
   const int64_t h0 = static_cast<int64_t>(blockIdx.x) * H;  // over lanes x heads
-  norm_rope_heads<H>(Q + h0 * head_dim, H, head_dim, rope_dim, eps, pos[h0 / n_head], inv_freq, red, rc, rs);
+  norm_rope_heads<H>(Q + h0 * head_dim, H, head_dim, rope_dim, eps, pos[h0 / n_head], inv_freq, red);
 }
 
 __global__ void __launch_bounds__(kRowThreads)
@@ -784,23 +783,18 @@ void hc_head(const float* X, const int32_t* lanes, int n_out, int hc, int64_t d,
   DS4_GPU_CHECK_LAUNCH("hc_mix_kernel (head)");
 }
 
-// From this many lanes q_heads runs 16 (or 4) heads a block (decode steps keep a head a block).
+// From this many lanes q_heads runs 4 heads a block (decode steps keep a head a block).
 constexpr int kQHeadsPromptLanes = 16;
 
 void q_heads(float* Q, int n, int n_head, int head_dim, int rope_dim, float eps, const int32_t* pos,
              const double* inv_freq, Stream s) {
   if (n <= 0) return;
-  if (rope_dim / 2 > kMaxRopeHalf) throw std::invalid_argument("GPU q_heads: rope_dim above 512");
-  // Prompt steps several heads a block, which share the RoPE factors: ncu (pass 24 call 2) found the
-  // kernel issue bound (SM 82%, 0.82 issued a scheduler a cycle at 2048 rows), its instructions the
-  // double sincos of the factors, formed again for each head. The same bits.
-  const int h = n < kQHeadsPromptLanes ? 1 : n_head % 16 == 0 ? 16 : n_head % 4 == 0 ? 4 : 1;
-  auto go = [&](auto kernel) {
-    launch(kernel, n * n_head / h, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
-  };
-  if (h == 16) go(q_heads_kernel<16>);
-  else if (h == 4) go(q_heads_kernel<4>);
-  else go(q_heads_kernel<1>);
+  // Prompt steps 4 heads a block: a block's latency (two passes and their barriers) for four heads
+  // (pass 24: a head a block made q_heads 0.9 ms a 2048-row step of flash-l4). The same bits.
+  if (n >= kQHeadsPromptLanes && n_head % 4 == 0)
+    launch(q_heads_kernel<4>, n * n_head / 4, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
+  else
+    launch(q_heads_kernel<1>, n * n_head, kRowThreads, 0, cs(s), Q, n_head, head_dim, rope_dim, eps, pos, inv_freq);
   DS4_GPU_CHECK_LAUNCH("q_heads_kernel");
 }
 

@@ -163,20 +163,6 @@ __device__ __forceinline__ void rope_pair(float* tail, int k, int64_t pos, const
   tail[2 * k + 1] = x0 * sf + x1 * cf;
 }
 
-// The most RoPE pairs a row's tail has (rope_dim <= 512) where their factors live in shared memory.
-constexpr int kMaxRopeHalf = 256;
-
-// rope_pair's cos and sin of pos * inv_freq[k] (in double, each rounded once to float) for the half
-// pairs, into rc and rs (shared memory); no barrier. Rows of one position (a lane's heads) share them.
-__device__ __forceinline__ void rope_factors(int half, int64_t pos, const double* inv_freq, float* rc, float* rs) {
-  for (int k = static_cast<int>(threadIdx.x); k < half; k += kRowThreads) {
-    double s, c;
-    sincos(static_cast<double>(pos) * inv_freq[k], &s, &c);
-    rc[k] = static_cast<float>(c);
-    rs[k] = static_cast<float>(s);
-  }
-}
-
 // Rotate the rope_dim/2 interleaved pairs of tail by pos * inv_freq[k] (inverse: the conjugate).
 __device__ __forceinline__ void rope_block(float* tail, int half, int64_t pos, const double* inv_freq, bool inverse) {
   for (int k = threadIdx.x; k < half; k += kRowThreads) rope_pair(tail, k, pos, inv_freq, inverse);
@@ -185,16 +171,10 @@ __device__ __forceinline__ void rope_block(float* tail, int half, int64_t pos, c
 
 // q_heads' work on nh <= H heads of hd floats at x (shared or global memory the block owns): each
 // head's unweighted RMSNorm (rms_factors: rms_factor's bits; scale_row's product) with one barrier for
-// all of them, then the tail RoPE at pos with rope_pair's arithmetic. rc, rs (kMaxRopeHalf shared
-// floats each) given: its factors formed once for all the heads (rope_factors; pass 24: ncu found
-// q_heads issue bound, 32 double sincos a head); null: rope_pair's own, a pair at a time (the
-// attention's fused q path, which holds at most 4 heads and is short of registers). Ends with a barrier.
+// all of them, then the tail RoPE at pos (rope_block's pairs). Ends with a barrier.
 template <int H>
 __device__ __forceinline__ void norm_rope_heads(float* x, int nh, int hd, int rope_dim, float eps, int64_t pos,
-                                                const double* inv_freq, double (*red)[kRowWarps],
-                                                float* rc = nullptr, float* rs = nullptr) {
-  const int half = rope_dim / 2;
-  if (rc != nullptr) rope_factors(half, pos, inv_freq, rc, rs);  // published by rms_factors' barrier
+                                                const double* inv_freq, double (*red)[kRowWarps]) {
   float r[H];
   rms_factors<H>(x, hd, nh, eps, red, r);
 #pragma unroll
@@ -202,17 +182,9 @@ __device__ __forceinline__ void norm_rope_heads(float* x, int nh, int hd, int ro
     if (h < nh)
       for (int e = static_cast<int>(threadIdx.x); e < hd; e += kRowThreads) x[h * hd + e] = x[h * hd + e] * r[h];
   __syncthreads();
-  for (int e = static_cast<int>(threadIdx.x); e < nh * half; e += kRowThreads) {
-    const int k = e % half;
-    float* tail = x + (e / half) * hd + (hd - rope_dim);
-    if (rc == nullptr) {
-      rope_pair(tail, k, pos, inv_freq, false);
-      continue;
-    }
-    const float x0 = tail[2 * k], x1 = tail[2 * k + 1];
-    tail[2 * k] = x0 * rc[k] - x1 * rs[k];
-    tail[2 * k + 1] = x0 * rs[k] + x1 * rc[k];
-  }
+  const int half = rope_dim / 2;
+  for (int e = static_cast<int>(threadIdx.x); e < nh * half; e += kRowThreads)
+    rope_pair(x + (e / half) * hd + (hd - rope_dim), e % half, pos, inv_freq, false);
   __syncthreads();
 }
 
@@ -322,7 +294,7 @@ constexpr int kAttnMaxDim = 512;  // head_dim limit: 2 chunks of 8 per lane, 1 e
 constexpr int kAttnSplitKeys = 64;
 constexpr int kAttnMaxSplits = 8;
 constexpr int kAttnCombineThreads = 128;
-constexpr int kAttnMaxRopeHalf = kMaxRopeHalf;
+constexpr int kAttnMaxRopeHalf = 256;
 
 // Keys per split of a lane with n keys (n >= 1), and its number of splits (0 for no keys).
 DS4_HD int attn_split_keys(int n) {
