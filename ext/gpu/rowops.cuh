@@ -49,22 +49,23 @@ __device__ __forceinline__ float warp_max_f(float v) {
 
 // Thread t's part of a sum of squares over x[0..n) with nt threads: x[t], x[t + nt], ... added in
 // that order in double. The loads go out kSsBatch at a time before any is added (a latency chain
-// of n / (nt * kSsBatch) loads instead of n / nt); the order of the additions, hence the bits, is
-// that of the plain strided loop.
+// of n / (nt * kSsBatch) loads instead of n / nt) while a whole batch is in the row; the rest one at
+// a time, so a short row (a 512-float head over 256 threads: two elements) issues no batch of
+// predicated-off loads and adds (pass 24: they were most of q_heads' instructions). The order of
+// the additions, hence the bits, is that of the plain strided loop.
 constexpr int kSsBatch = 16;
 __device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t, int nt) {
   double ss = 0.0;
-  for (int64_t b = t; b < n; b += static_cast<int64_t>(kSsBatch) * nt) {
+  const int64_t step = static_cast<int64_t>(kSsBatch) * nt;
+  int64_t b = t;
+  for (; b + step - nt < n; b += step) {
     float v[kSsBatch];
 #pragma unroll
-    for (int j = 0; j < kSsBatch; ++j) {
-      const int64_t i = b + static_cast<int64_t>(j) * nt;
-      v[j] = i < n ? x[i] : 0.0f;
-    }
+    for (int j = 0; j < kSsBatch; ++j) v[j] = x[b + static_cast<int64_t>(j) * nt];
 #pragma unroll
-    for (int j = 0; j < kSsBatch; ++j)
-      if (b + static_cast<int64_t>(j) * nt < n) ss += static_cast<double>(v[j]) * v[j];
+    for (int j = 0; j < kSsBatch; ++j) ss += static_cast<double>(v[j]) * v[j];
   }
+  for (; b < n; b += nt) ss += static_cast<double>(x[b]) * x[b];
   return ss;
 }
 
