@@ -190,7 +190,7 @@ __global__ void __launch_bounds__(kRowThreads) compressor_pool_kernel(Compressor
       cd.kv[r] = a.k + i * a.ld + col;
       cd.sc[r] = a.z + i * a.ld + col;
     } else {
-      const int64_t row = (u >= b0 && overlap ? m : 0) + ((u % m) + m) % m;
+      const int64_t row = ((u >= b0 && overlap) ? m : 0) + ((u % m) + m) % m;
       cd.kv[r] = kv + row * w + col;
       cd.sc[r] = sc + row * w + col;
     }
