@@ -48,24 +48,25 @@ __device__ __forceinline__ float warp_max_f(float v) {
 }
 
 // Thread t's part of a sum of squares over x[0..n) with nt threads: x[t], x[t + nt], ... added in
-// that order in double. The loads go out kSsBatch at a time before any is added (a latency chain
-// of n / (nt * kSsBatch) loads instead of n / nt) while a whole batch is in the row; the rest one at
-// a time, so a short row (a 512-float head over 256 threads: two elements) issues no batch of
-// predicated-off loads and adds (pass 24: they were most of q_heads' instructions). The order of
-// the additions, hence the bits, is that of the plain strided loop.
+// that order in double. The loads go out B at a time before any is added (a latency chain of
+// n / (nt * B) loads instead of n / nt); the order of the additions, hence the bits, is that of the
+// plain strided loop whatever B. Rows of a few elements a thread take a small B: a batch's
+// predicated-off loads and adds still issue (pass 24: kSsBatch's were most of q_heads' instructions).
 constexpr int kSsBatch = 16;
+template <int B = kSsBatch>
 __device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t, int nt) {
   double ss = 0.0;
-  const int64_t step = static_cast<int64_t>(kSsBatch) * nt;
-  int64_t b = t;
-  for (; b + step - nt < n; b += step) {
-    float v[kSsBatch];
+  for (int64_t b = t; b < n; b += static_cast<int64_t>(B) * nt) {
+    float v[B];
 #pragma unroll
-    for (int j = 0; j < kSsBatch; ++j) v[j] = x[b + static_cast<int64_t>(j) * nt];
+    for (int j = 0; j < B; ++j) {
+      const int64_t i = b + static_cast<int64_t>(j) * nt;
+      v[j] = i < n ? x[i] : 0.0f;
+    }
 #pragma unroll
-    for (int j = 0; j < kSsBatch; ++j) ss += static_cast<double>(v[j]) * v[j];
+    for (int j = 0; j < B; ++j)
+      if (b + static_cast<int64_t>(j) * nt < n) ss += static_cast<double>(v[j]) * v[j];
   }
-  for (; b < n; b += nt) ss += static_cast<double>(x[b]) * x[b];
   return ss;
 }
 
@@ -113,15 +114,15 @@ __device__ __forceinline__ float rms_factor(const float* x, int64_t n, float eps
 
 // rms_factor of H rows at once (rows h < nh of x, n apart): each row's strided parts, butterfly and
 // block_sum's tree, so each r has rms_factor's bits, with one barrier for all the rows. red: H x 8
-// shared doubles.
-template <int H>
+// shared doubles. B: strided_sumsq's batch.
+template <int H, int B = kSsBatch>
 __device__ __forceinline__ void rms_factors(const float* x, int64_t n, int nh, float eps, double (*red)[kRowWarps],
                                             float (&r)[H]) {
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
   double ss[H];
 #pragma unroll
   for (int h = 0; h < H; ++h) {
-    ss[h] = h < nh ? strided_sumsq(x + h * n, n, static_cast<int>(threadIdx.x), kRowThreads) : 0.0;
+    ss[h] = h < nh ? strided_sumsq<B>(x + h * n, n, static_cast<int>(threadIdx.x), kRowThreads) : 0.0;
     ss[h] = warp_sum(ss[h]);
   }
   if (threadIdx.x % DS4_WARP == 0)
@@ -177,7 +178,7 @@ template <int H>
 __device__ __forceinline__ void norm_rope_heads(float* x, int nh, int hd, int rope_dim, float eps, int64_t pos,
                                                 const double* inv_freq, double (*red)[kRowWarps]) {
   float r[H];
-  rms_factors<H>(x, hd, nh, eps, red, r);
+  rms_factors<H, 2>(x, hd, nh, eps, red, r);  // a head is a few elements a thread (DS4: 512 over 256)
 #pragma unroll
   for (int h = 0; h < H; ++h)
     if (h < nh)
