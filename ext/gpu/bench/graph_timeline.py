@@ -112,24 +112,26 @@ def main() -> int:
 
     mf = ModelFile.open(args.model)
     rows = args.prompt_rows
-    if rows and args.steps + 2 > SLOTS:
-        raise SystemExit(f"--prompt-rows: at most {SLOTS - 2} steps (a fresh slot each)")
+    if rows and args.steps + 1 > SLOTS:
+        raise SystemExit(f"--prompt-rows: at most {SLOTS - 1} steps (a fresh slot each)")
     runner = Runner(mf, backend=_native.gpu_backend(), max_slots=SLOTS, max_ctx=MAX_CTX, max_rows=max(64, rows))
     l2_default = bool(runner._impl.use_l2_prefetch)
     rng = np.random.default_rng(0)
     nxt, pos = {}, {}
     cs = [1] if rows else [int(c) for c in args.c.split(",")]
-    for s in range(0 if rows else max(cs)):
-        logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
-        nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
+    if not rows:
+        for s in range(max(cs)):
+            logits = prefill(runner, s, rng.integers(0, mf.config.n_vocab, args.ctx), 64)
+            nxt[s], pos[s] = int(np.argmax(logits[-1])), args.ctx
     fresh = []  # prompt steps: the slots not yet prefilled
+
+    def reset_slots() -> None:  # prompt steps: every slot fresh again (outside the profiled steps)
+        for s in range(SLOTS):
+            runner.reset_slot(s)
+        fresh[:] = range(SLOTS)
 
     def step(c: int) -> None:  # greedy tokens from the device, as engine_bench's decode takes them
         if rows:
-            if not fresh:
-                for s in range(SLOTS):
-                    runner.reset_slot(s)
-                fresh.extend(range(SLOTS))
             prefill(runner, fresh.pop(), rng.integers(0, mf.config.n_vocab, rows), rows)
             return
         lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
@@ -141,11 +143,12 @@ def main() -> int:
     for variant in args.variants.split(","):
         set_variant(runner, variant, l2_default)
         for c in cs:
+            if rows:
+                reset_slots()
             for _ in range(4):  # the bucket's graph is captured in the first
                 step(c)
             if rows:  # the profiled steps each take a fresh slot, with no reset among them
-                fresh.clear()
-                step(c)
+                reset_slots()
             torch.cuda.synchronize()
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 for _ in range(args.steps + 1):
