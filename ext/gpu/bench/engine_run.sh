@@ -21,8 +21,9 @@
 #    and tall matvec bit for bit, prefill and decode C = 1, 2, 4, 6, 8 in each mode (or variant)
 #    with rooflines, a kernel profile; then each --ncu: ncu (SpeedOfLight, Occupancy,
 #    WarpStateStats, LaunchStats) of the kernels matching REGEX in one eager decode step of C lanes
-#    under an engine_bench variant (ncu_step.py; "" for the defaults; C = pN profiles a prompt step
-#    of N rows instead);
+#    under an engine_bench variant (ncu_step.py; "" for the defaults; C = pN profiles the first 3
+#    such launches of a prompt step of N rows instead, with the memory, scheduler, compute and
+#    instruction sections too);
 #    then, with --timeline, graph_timeline.py on flash-l4 with those options (its JSON in extra.tgz);
 # 7. compute-sanitizer racecheck on engine_check.py --quick, with whatever the budget leaves
 #    (--no-racecheck: not run).
@@ -147,10 +148,11 @@ if [ $bench = 1 ]; then
   for ((i = 0; i < ${#ncu_runs[@]}; i += 3)); do
     c=${ncu_runs[i]} variant=${ncu_runs[i + 1]} regex=${ncu_runs[i + 2]}
     echo "== ncu C=$c [$variant] $regex ($((SECONDS - start)) s)"
-    # C = pN: one prompt step of N rows (the first 3 matching launches, with the memory sections)
+    # C = pN: one prompt step of N rows (the first 3 matching launches, with the memory, compute and instruction sections)
     step_args=("$c") sections=()
     if [[ $c == p* ]]; then
-      step_args=(1 --prompt-rows "${c#p}") sections=(--section MemoryWorkloadAnalysis --section SchedulerStats -c 3)
+      step_args=(1 --prompt-rows "${c#p}") sections=(--section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis
+                --section InstructionStats -c 3)
     fi
     timeout "$(left 90)" ncu --clock-control none --profile-from-start off --target-processes all \
       --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats "${sections[@]}" \
