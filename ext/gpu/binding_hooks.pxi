@@ -68,7 +68,6 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int gpu_set_matvec_imma_q4k_warps "ds4::gpu::testing::set_matvec_imma_q4k_warps"(int warps) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -291,13 +290,6 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     Returns (min_rows, ahead, persist) now."""
     v = int(gpu_set_matvec_imma_narrow(min_rows, ahead, persist))
     return v // 4, bool(v & 1), bool(v & 2)
-
-
-def _t_gpu_set_matvec_imma_q4k_warps(int warps):
-    """The grouped Q4_K tensor-core kernel's warps a block, 8 or 16 (ext/gpu/imma_q4k.cu; -1: back to
-    DS4_GPU_MV_IMMA_Q4K_WARPS or the default, 8), process-wide. The bits never depend on it. Returns
-    the setting now."""
-    return int(gpu_set_matvec_imma_q4k_warps(warps))
 
 
 IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order
@@ -625,7 +617,6 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
-    gpu_set_matvec_imma_q4k_warps=_t_gpu_set_matvec_imma_q4k_warps,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

@@ -43,11 +43,6 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// The grouped Q4_K kernel's warps a block, 8 or 16 (imma_q4k.cu; DS4_GPU_MV_IMMA_Q4K_WARPS=8/16, -1
-// in the setter: back to that or the default). The same bits either way; graph key.
-constexpr int kImmaDefaultQ4kWarps = 8;
-void set_matvec_imma_q4k_warps(int warps);
-int matvec_imma_q4k_warps();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
 // the Q8_0 tiles' and the grouped Q4_K kernel's cp.async or bulk-copy instantiation

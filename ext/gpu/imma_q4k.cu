@@ -33,8 +33,6 @@
 // part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
-#include <stdexcept>
 
 #include "imma.cuh"
 #include "imma.h"
@@ -47,10 +45,9 @@ namespace ds4::gpu {
 
 namespace {
 
-std::atomic<int> g_q4k_warps{-1};  // the kernel's warps a block (-1: environment)
-
-constexpr int kGqWarps = 8;                   // warps of one m-tile pass: one a sub-block position
-constexpr int kGqMT = 2;                      // m-tiles of 16 rows a block
+constexpr int kGqWarps = 8;
+constexpr int kGqThreads = kGqWarps * DS4_WARP;
+constexpr int kGqMT = 2;                      // m-tiles of 16 rows a warp
 constexpr int kGqRows = 16 * kGqMT;           // rows a block
 constexpr int kGqCols = 8;                    // one n-tile: a part's pairs
 constexpr int kGqChunk = 4 * 144;             // a row's bytes of 32 units
@@ -68,27 +65,21 @@ constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (
 static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
 constexpr int64_t kImmaGroupedMinExperts = 128;  // imma_q4k_takes counts at least this many experts
-static_assert(kGqOut == kGqWarps * DS4_WARP, "the first 8 warps' threads store one output each");
+static_assert(kGqOut == kGqThreads, "a thread stores one output");
 static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
 
 #if defined(DS4_IMMA)
 
-// WARPS: 8 (each warp both m-tiles of its sub-block position, 74 registers, two blocks an SM by
-// shared memory: 4 warps a scheduler) or 16 (warps w and w + 8 share a position, one m-tile each:
-// twice the warps a scheduler to hide the epilogue's latency, at the price of loading each B operand
-// twice; DS4_GPU_MV_IMMA_Q4K_WARPS). A row's sums see the same units in the same order either way.
 // BULK: each stage's weight rows and plane runs by the bulk copy engine (one instruction a row or a
 // column's run, imma.cuh bulk_copy_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else by cp.async (copy_runs:
 // one a 16-byte vector). The same bytes in the same places.
-template <int WARPS, bool BULK>
-__global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
+template <bool BULK>
+__global__ void __launch_bounds__(kGqThreads)
     imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
                             int units, int ks, const ExpertPartDev* __restrict__ parts,
                             const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                             const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
                             float* __restrict__ Y, int64_t ldy) {
-  constexpr int kThreads = WARPS * DS4_WARP, kMT = kGqMT * kGqWarps / WARPS;  // a warp's m-tiles
-  static_assert(kMT * WARPS == kGqMT * kGqWarps, "the warps cover every (position, m-tile) once");
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
   float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
@@ -112,8 +103,6 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
     const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
     const int g = lane >> 2, t = lane & 3;
     const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
-    const int mt0 = WARPS == kGqWarps ? 0 : warp / kGqWarps;  // its first m-tile (16 warps: one each)
-    const int wpos = WARPS == kGqWarps ? warp : warp % kGqWarps;  // its sums' place in `red`
     const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
     const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
     if (threadIdx.x < kGqCols) {
@@ -136,32 +125,32 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
       if constexpr (BULK) {
         uint64_t* bar = bulk_bar + stage;
         if (threadIdx.x == 0) bulk_expect(bar, left * (18 * kGqRows + kPlaneBytes * kGqCols));
-        bulk_copy_rows<kThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar);
-        bulk_copy_rows<kThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes, psrc,
+        bulk_copy_rows<kGqThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar);
+        bulk_copy_rows<kGqThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes, psrc,
                                    bar);
         return;
       }
 #endif
-      copy_runs<kThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, wsrc);
-      copy_runs<kThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
+      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, wsrc);
+      copy_runs<kGqThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
                                                    left * (kPlaneBytes / 16), psrc);
       ds4_cp_async_commit();
     };
 
-    float acc[4][kMT][4];
+    float acc[4][kGqMT][4];
     float ys[kGqMaxSlices] = {0.0f, 0.0f, 0.0f, 0.0f};
     auto zero = [&] {
   #pragma unroll
       for (int k = 0; k < 4; ++k)
   #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kGqMT; ++mt)
   #pragma unroll
           for (int e = 0; e < 4; ++e) acc[k][mt][e] = 0.0f;
     };
 
     // Block k of chunk q (units 32 q + 8 k + 2 cpos and + 1: the warp's sub-block 2 cpos + h of it)
     // into virtual lane k's sums.
-    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kMT][4]) {
+    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kGqMT][4]) {
       const int xa = 8 * k + 2 * cpos + h;  // the chunk's X unit of the sub-block
       uint32_t b[3][2];
       const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 4 * t;
@@ -179,12 +168,12 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
         xs[j] = rc[2];
       }
   #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt) {
+      for (int mt = 0; mt < kGqMT; ++mt) {
         uint32_t av[4];
         float dl[2], ml[2];
   #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          const int row = 16 * (mt0 + mt) + g + 8 * rr;
+          const int row = 16 * mt + g + 8 * rr;
           const uint8_t* qb = chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 4 * t;
           const uint32_t q0 = *reinterpret_cast<const uint32_t*>(qb), q1 = *reinterpret_cast<const uint32_t*>(qb + 16);
           av[rr] = (h ? q0 >> 4 : q0) & 0x0f0f0f0fu;      // sub-block elements 4t..4t+3
@@ -225,7 +214,7 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
       // the row's end gives values no unit reads).
-      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kThreads) {
+      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
         const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
         const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
         float4 f;
@@ -242,26 +231,24 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
         // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
         // shared memory.
   #pragma unroll
-        for (int mt = 0; mt < kMT; ++mt)
+        for (int mt = 0; mt < kGqMT; ++mt)
   #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int row = 16 * (mt0 + mt) + g + 8 * (e >> 1), col = 2 * t + (e & 1);
-            red[wpos * kGqRed + row * kGqRedPitch + col] =
+            const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
+            red[warp * kGqRed + row * kGqRedPitch + col] =
                 (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
           }
         __syncthreads();
         // Output o is row o % kGqRows of column o / kGqRows (imma_q8.cu: a warp stores one line of Y).
         const int o = static_cast<int>(threadIdx.x);
-        if (o < kGqOut) {
-          const int at = (o % kGqRows) * kGqRedPitch + o / kGqRows;
-          float b[8];
+        const int at = (o % kGqRows) * kGqRedPitch + o / kGqRows;
+        float b[8];
   #pragma unroll
-          for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
-          const float y = butterfly_of_eight(b);
+        for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
+        const float y = butterfly_of_eight(b);
   #pragma unroll
-          for (int s = 0; s < kGqMaxSlices; ++s)
-            if (s == s_now) ys[s] = y;
-        }
+        for (int s = 0; s < kGqMaxSlices; ++s)
+          if (s == s_now) ys[s] = y;
         __syncthreads();
         zero();
       }
@@ -270,7 +257,7 @@ __global__ void __launch_bounds__(WARPS * DS4_WARP, WARPS == 16 ? 2 : 0)
     }
     const int o = static_cast<int>(threadIdx.x);
     const int row = r0 + o % kGqRows, col = o / kGqRows;
-    if (o < kGqOut && row < rows && col < pt.count)
+    if (row < rows && col < pt.count)
       Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
     __syncthreads();  // every warp is done with this part's shared memory before the next one's copies
   }
@@ -298,30 +285,13 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #endif
 }
 
-void set_matvec_imma_q4k_warps(int warps) {
-  if (warps != -1 && warps != 8 && warps != 16)
-    throw std::invalid_argument("set_matvec_imma_q4k_warps: warps must be 8 or 16 (-1: the default)");
-  g_q4k_warps.store(warps, std::memory_order_relaxed);
-}
-
-int matvec_imma_q4k_warps() {
-  int v = g_q4k_warps.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv("DS4_GPU_MV_IMMA_Q4K_WARPS");
-    v = e != nullptr && std::atoi(e) == (kImmaDefaultQ4kWarps == 8 ? 16 : 8) ? std::atoi(e) : kImmaDefaultQ4kWarps;
-    g_q4k_warps.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 bool imma_q4k_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    auto smem = [](auto kernel) {
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGqSmem) == cudaSuccess;
-    };
-    const bool ok = smem(imma_q4k_grouped_kernel<8, false>) && smem(imma_q4k_grouped_kernel<8, true>) &&
-                    smem(imma_q4k_grouped_kernel<16, false>) && smem(imma_q4k_grouped_kernel<16, true>);
+    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess &&
+                    cudaFuncSetAttribute(imma_q4k_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return ok;
   }();
@@ -345,10 +315,9 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
   const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-  const bool bulk = matvec_imma_bulk(), wide = matvec_imma_q4k_warps() == 16;
-  auto kernel = wide ? (bulk ? imma_q4k_grouped_kernel<16, true> : imma_q4k_grouped_kernel<16, false>)
-                     : (bulk ? imma_q4k_grouped_kernel<8, true> : imma_q4k_grouped_kernel<8, false>);
-  launch(kernel, grid, (wide ? 16 : 8) * DS4_WARP, kGqSmem, stream, W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
+  const bool bulk = matvec_imma_bulk();
+  launch(bulk ? imma_q4k_grouped_kernel<true> : imma_q4k_grouped_kernel<false>, grid, kGqThreads, kGqSmem, stream,
+         W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
          static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
   imma_count_launch(bulk ? kImmaQ4kBulk : kImmaQ4kCpAsync);

@@ -439,10 +439,6 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int set_matvec_imma_q4k_warps(int warps) {
-  ds4::gpu::set_matvec_imma_q4k_warps(warps);
-  return matvec_imma_q4k_warps();
-}
 int64_t imma_launches(int path) {
   if (path < -1 || path >= kImmaPaths)
     throw std::invalid_argument("imma_launches: path must be -1 (all) or one of imma.h's ImmaPath values");

@@ -38,7 +38,6 @@ def imma():
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
     T.gpu_set_matvec_imma_narrow(-1, -1, -1)
-    T.gpu_set_matvec_imma_q4k_warps(-1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -73,13 +72,6 @@ def test_imma_switches_read_back(imma) -> None:
     for bad in ((0, 2, 1), (0, 1, 2), (-2, 1, 1)):
         with pytest.raises(ValueError):
             T.gpu_set_matvec_imma_narrow(*bad)
-    default_warps = T.gpu_set_matvec_imma_q4k_warps(-1)
-    assert default_warps in (8, 16)
-    assert T.gpu_set_matvec_imma_q4k_warps(16) == 16 and T.gpu_set_matvec_imma_q4k_warps(8) == 8
-    assert T.gpu_set_matvec_imma_q4k_warps(-1) == default_warps
-    for bad in (0, 12, 32, -2):
-        with pytest.raises(ValueError):
-            T.gpu_set_matvec_imma_q4k_warps(bad)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall; taller than 132 SMs'
@@ -228,9 +220,9 @@ GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3)]
 
 @pytest.mark.parametrize("ne0, ne1, n_expert", GROUPED, ids=[f"{k}x{r}x{e}" for k, r, e in GROUPED])
 def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_expert: int) -> None:
-    """Every pair of a grouped Q4_K product bit-identical on either kernel, in blocks of 8 warps and
-    of 16: parts of 8 and of 3 pairs, lanes routing twice to one expert, nonfinite and tiny activation
-    rows; and a pair equal to its expert's dense product on its column alone."""
+    """Every pair of a grouped Q4_K product bit-identical on either kernel: parts of 8 and of 3 pairs,
+    lanes routing twice to one expert, nonfinite and tiny activation rows; and a pair equal to its
+    expert's dense product on its column alone."""
     rng = np.random.default_rng()
     raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
     n_lanes = 48  # 144 pairs: one a expert counts at least 128 experts
@@ -243,12 +235,10 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
-        for warps in (8, 16):
-            T.gpu_set_matvec_imma_q4k_warps(warps)
-            before = T.gpu_imma_launches("q4k_bulk")
-            got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
-            assert T.gpu_imma_launches("q4k_bulk") - before == 1
-            assert same_bits(got, want), (max_part, warps)
+        before = T.gpu_imma_launches("q4k_bulk")
+        got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
+        assert T.gpu_imma_launches("q4k_bulk") - before == 1
+        assert same_bits(got, want), max_part
     expert_bytes = ne0 // 256 * 144 * ne1
     imma(0)
     for p in (0, 5, 7, len(pe) - 1):
@@ -314,20 +304,18 @@ def assert_same_logits(out: dict) -> None:
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
     taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
-    expert or more (the grouped kernel in blocks of 8 warps and of 16), and with them off, eager and
-    under graphs (the thresholds and the warps are part of the graph key)."""
+    expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
+    key)."""
     from tests.engine_cases import Seq, prompt
 
-    def setting(threshold: int, warps: int = 8):
-        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0),
-                        T.gpu_set_matvec_imma_q4k_warps(warps))
+    def setting(threshold: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0))
 
     out = engine_runs(tmp_path, 11, 80,
                       lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
                                   Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
-                      {0: setting(0), 4: setting(4), "4w16": setting(4, 16)})
+                      {0: setting(0), 4: setting(4)})
     assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
-    assert out[False, "4w16"][1] == out[False, 4][1]
     assert_same_logits(out)
 
 
