@@ -62,11 +62,15 @@ __device__ __forceinline__ float kslice_tree(const float (&y)[4], int ks) {
   return y[0];
 }
 
+// The k-slice of chunk q: q % ks for ks = 1, 2 or 4 (matvec_kslices), as a mask (a 64-bit % by a
+// runtime divisor had cost a warp ~30 instructions a chunk in each kernel's loop).
+__device__ __forceinline__ int slice_of(int64_t q, int ks) { return static_cast<int>(q & (ks - 1)); }
+
 // The chunks of a row in the order the kernels work them: k-slice 0's (0, KS, 2 KS, ...), then slice
 // 1's, ...; the chunk after q, or -1 after the last.
 __device__ __forceinline__ int64_t chunk_after(int64_t q, int ks, int64_t n_chunks) {
   if (q + ks < n_chunks) return q + ks;
-  const int64_t s1 = q % ks + 1;
+  const int64_t s1 = slice_of(q, ks) + 1;
   return s1 < ks && s1 < n_chunks ? s1 : -1;
 }
 
@@ -142,13 +146,17 @@ __device__ __forceinline__ void bulk_expect(uint64_t* bar, int bytes) {
 // Rows [0, rows) of `bytes` bytes each (a multiple of 16, 16-byte aligned), row r from src(r) to
 // dst + r * pitch, completing on barrier bar, which the caller arms (bulk_expect); every thread of the
 // block's THREADS calls it. A bulk copy takes its operands from uniform registers, so a warp issues
-// its lanes' copies one after another: the rows are spread over the warps (lanes 0 .. rows / warps -
-// 1 of each) to keep that short.
+// its lanes' copies one after another: the rows are spread over `warps` warps from warp `warp0`
+// (lanes 0 .. rows / warps - 1 of each; by default all of the block's) to keep that short. Each
+// copying warp also pays ~40 instructions of address set-up, so a kernel issue bound by its
+// instructions gives the copies fewer warps (imma_q4k.cu); the others return at once.
 template <int THREADS, class Src>
-__device__ __forceinline__ void bulk_copy_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar) {
-  constexpr int kWarps = THREADS / DS4_WARP;
-  const int per = (rows + kWarps - 1) / kWarps, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
-  const int r = static_cast<int>(threadIdx.x) / DS4_WARP * per + lane;
+__device__ __forceinline__ void bulk_copy_rows(uint8_t* dst, int pitch, int rows, int bytes, Src src, uint64_t* bar,
+                                               int warp0 = 0, int warps = THREADS / DS4_WARP) {
+  const int w = static_cast<int>(threadIdx.x) / DS4_WARP - warp0;
+  if (w < 0 || w >= warps) return;
+  const int per = (rows + warps - 1) / warps, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
+  const int r = w * per + lane;
   if (lane >= per || r >= rows) return;
   const unsigned b = static_cast<unsigned>(__cvta_generic_to_shared(bar));
   const unsigned d = static_cast<unsigned>(__cvta_generic_to_shared(dst + r * pitch));

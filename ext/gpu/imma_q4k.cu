@@ -66,6 +66,7 @@ static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales
 constexpr int kGqMaxSlices = 4;
 constexpr int64_t kImmaGroupedMinExperts = 128;  // imma_q4k_takes counts at least this many experts
 static_assert(kGqOut == kGqThreads, "a thread stores one output");
+static_assert(kGqRows * 4 == kGqThreads / 2, "warps 4-7 decode a chunk's scales, a thread a (row, block)");
 static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
 
 #if defined(DS4_IMMA)
@@ -125,9 +126,11 @@ __global__ void __launch_bounds__(kGqThreads)
       if constexpr (BULK) {
         uint64_t* bar = bulk_bar + stage;
         if (threadIdx.x == 0) bulk_expect(bar, left * (18 * kGqRows + kPlaneBytes * kGqCols));
-        bulk_copy_rows<kGqThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar);
+        // The weight rows on warps 0-3 (8 each), the planes on warp 4 (pass 25: the copies' address
+        // set-up had been ~90 of a warp's ~820 instructions a chunk on every warp).
+        bulk_copy_rows<kGqThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar, 0, 4);
         bulk_copy_rows<kGqThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes, psrc,
-                                   bar);
+                                   bar, 4, 1);
         return;
       }
 #endif
@@ -213,21 +216,27 @@ __global__ void __launch_bounds__(kGqThreads)
       const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
-      // the row's end gives values no unit reads).
-      for (int i = static_cast<int>(threadIdx.x); i < kGqRows * 16; i += kGqThreads) {
-        const int row = i >> 4, k = (i >> 2) & 3, c = i & 3;
+      // the row's end gives values no unit reads). A thread of warps 4-7 (the copies are on warps 0-4)
+      // decodes a (row, block)'s four positions from one read of its header (pass 25: a thread an
+      // entry had read each header and converted its d and dmin four times); a warp's rows are 32
+      // consecutive ones of one block, so its header reads and its stores meet no bank conflict.
+      if (threadIdx.x >= kGqThreads / 2) {
+        const int i = static_cast<int>(threadIdx.x) - kGqThreads / 2, row = i % kGqRows, k = i / kGqRows;
         const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
-        float4 f;
-        q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
-        scales[row * kGqScalePitch + 4 * k + c] = f;
+  #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float4 f;
+          q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
+          scales[row * kGqScalePitch + 4 * k + c] = f;
+        }
       }
       __syncthreads();
   #pragma unroll
       for (int k = 0; k < 4; ++k)
         if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
       __syncthreads();  // the stage is free before it is filled again
-      const int s_now = q % ks;
-      if (nq < 0 || nq % ks != s_now) {
+      const int s_now = slice_of(q, ks);
+      if (nq < 0 || slice_of(nq, ks) != s_now) {
         // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
         // shared memory.
   #pragma unroll

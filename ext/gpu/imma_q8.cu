@@ -313,8 +313,8 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
     // The next chunk's operands, in flight over the barrier, the sums and the wait for its weights.
     if (AHEAD && n_item >= 0) load_chunk(n_item, bq);
     __syncthreads();  // the stage is free before it is filled again
-    const int s_now = static_cast<int>(q % ks);
-    if (nq < 0 || nq % ks != s_now) {
+    const int s_now = slice_of(q, ks);
+    if (nq < 0 || slice_of(nq, ks) != s_now) {
       // The slice's butterfly: A_w in registers, the rest through shared memory.
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt)
