@@ -68,7 +68,6 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int gpu_set_matvec_imma_wide "ds4::gpu::testing::set_matvec_imma_wide"(int shape) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -291,14 +290,6 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     Returns (min_rows, ahead, persist) now."""
     v = int(gpu_set_matvec_imma_narrow(min_rows, ahead, persist))
     return v // 4, bool(v & 1), bool(v & 2)
-
-
-def _t_gpu_set_matvec_imma_wide(int shape):
-    """The tensor-core Q8_0 kernel's tile for calls of more than 8 columns (ext/gpu/imma.h: 0 the 32 x 32
-    tile, 1 a 32 x 16 tile and 2 the 64 x 8 tile with their planes loaded a chunk ahead; -1: back to
-    DS4_GPU_MV_IMMA_WIDE or the default, 0), process-wide. The bits never depend on it. Returns the
-    setting now."""
-    return int(gpu_set_matvec_imma_wide(shape))
 
 
 IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order
@@ -626,7 +617,6 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
-    gpu_set_matvec_imma_wide=_t_gpu_set_matvec_imma_wide,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

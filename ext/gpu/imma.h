@@ -43,14 +43,6 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// The tile of calls of more than 8 columns (DS4_GPU_MV_IMMA_WIDE=N, set_matvec_imma_wide; -1 in the
-// setter: back to that or the default): 0 the 32 x 32 tile, each chunk's B operands loaded where they
-// are used; 1 a 32 x 16 tile and 2 the narrow 64 x 8 tile, both with the B operands loaded a chunk
-// ahead (registers). The same bits either way; graph key.
-constexpr int kImmaWideShapes = 3;
-constexpr int kImmaDefaultWide = 0;
-void set_matvec_imma_wide(int shape);
-int matvec_imma_wide();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
 // the Q8_0 tiles' and the grouped Q4_K kernel's cp.async or bulk-copy instantiation

@@ -67,7 +67,6 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
-std::atomic<int> g_imma_wide{-1};         // the tile of calls of more than 8 columns (-1: environment)
 std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -395,17 +394,6 @@ int matvec_imma_narrow_rows() {
   return threshold_now(g_imma_narrow_rows, "DS4_GPU_MV_IMMA_NARROW_ROWS", kImmaDefaultNarrowRows);
 }
 
-void set_matvec_imma_wide(int shape) {
-  if (shape < -1 || shape >= kImmaWideShapes)
-    throw std::invalid_argument("set_matvec_imma_wide: shape must be 0, 1 or 2 (-1: the default)");
-  g_imma_wide.store(shape, std::memory_order_relaxed);
-}
-
-int matvec_imma_wide() {
-  const int v = threshold_now(g_imma_wide, "DS4_GPU_MV_IMMA_WIDE", kImmaDefaultWide);
-  return v < kImmaWideShapes ? v : kImmaDefaultWide;
-}
-
 bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
@@ -424,7 +412,6 @@ bool imma_prepare() {
     auto both = [&](auto bulk) {
       constexpr bool B = decltype(bulk)::value;
       return smem(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>::kSmem) &&
-             smem(imma_q8_kernel<2, 2, true, B>, ImmaShape<2, 2>::kSmem) &&
              smem(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>::kSmem) &&
              smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem);
     };
@@ -452,10 +439,6 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int set_matvec_imma_wide(int shape) {
-  ds4::gpu::set_matvec_imma_wide(shape);
-  return matvec_imma_wide();
-}
 int64_t imma_launches(int path) {
   if (path < -1 || path >= kImmaPaths)
     throw std::invalid_argument("imma_launches: path must be -1 (all) or one of imma.h's ImmaPath values");
@@ -482,7 +465,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   if (ncols <= 8 && rows * n_batch < matvec_imma_narrow_rows()) return false;
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
-  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, from 9 matvec_imma_wide's.
+  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
   auto go = [&](auto kernel, auto shape) {
     using S = decltype(shape);
     // The narrow tile of one member with more row blocks than SMs: one block an SM (its shared memory
@@ -497,13 +480,8 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   };
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
-    const int wide = matvec_imma_wide();
-    if (ncols > 8 && wide == 0) {
+    if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
-    } else if (ncols > 8 && wide == 1) {
-      go(imma_q8_kernel<2, 2, true, B>, ImmaShape<2, 2>{});
-    } else if (ncols > 8) {
-      go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
     } else if (matvec_imma_ahead()) {
       go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
     } else {

@@ -38,7 +38,6 @@ def imma():
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
     T.gpu_set_matvec_imma_narrow(-1, -1, -1)
-    T.gpu_set_matvec_imma_wide(-1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -73,13 +72,6 @@ def test_imma_switches_read_back(imma) -> None:
     for bad in ((0, 2, 1), (0, 1, 2), (-2, 1, 1)):
         with pytest.raises(ValueError):
             T.gpu_set_matvec_imma_narrow(*bad)
-    default_wide = T.gpu_set_matvec_imma_wide(-1)
-    assert default_wide in (0, 1, 2)
-    assert [T.gpu_set_matvec_imma_wide(s) for s in (2, 1, 0)] == [2, 1, 0]
-    assert T.gpu_set_matvec_imma_wide(-1) == default_wide
-    for bad in (3, -2):
-        with pytest.raises(ValueError):
-            T.gpu_set_matvec_imma_wide(bad)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall; taller than 132 SMs'
@@ -99,16 +91,13 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     x[5, : ne0 // 3] = 0.0
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
-    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns each wide tile, up to 8 64 x 8
-        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not;
-        # the wide calls on each of their tiles.
-        for ahead, persist, wide in ((1, 1, 0), (0, 1, 0), (1, 0, 0)) if width <= 8 else ((1, 1, 0), (1, 1, 1), (1, 1, 2)):
+    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
+        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not.
+        for ahead, persist in ((1, 1), (0, 1), (1, 0)) if width <= 8 else ((1, 1),):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
-            T.gpu_set_matvec_imma_wide(wide)
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
-            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist, wide)
-    T.gpu_set_matvec_imma_wide(-1)
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist)
     # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
     T.gpu_set_matvec_imma_narrow(ne1 + 1, 1, 1)
     got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
@@ -315,20 +304,18 @@ def assert_same_logits(out: dict) -> None:
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
     taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
-    expert or more (wide calls on each Q8_0 tile), and with them off, eager and under graphs (the
-    thresholds and the tile are part of the graph key)."""
+    expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
+    key)."""
     from tests.engine_cases import Seq, prompt
 
-    def setting(threshold: int, wide: int = 0):
-        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0),
-                        T.gpu_set_matvec_imma_wide(wide))
+    def setting(threshold: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0))
 
     out = engine_runs(tmp_path, 11, 80,
                       lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
                                   Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
-                      {0: setting(0), 4: setting(4), "4w1": setting(4, 1), "4w2": setting(4, 2)})
+                      {0: setting(0), 4: setting(4)})
     assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
-    assert out[False, "4w1"][1] == out[False, "4w2"][1] == out[False, 4][1]
     assert_same_logits(out)
 
 
