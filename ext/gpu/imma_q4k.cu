@@ -59,9 +59,8 @@ constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one war
 constexpr int kGqRedBytes = kGqWarps * kGqRed * 4;
 constexpr int kGqPlanePitch = 32 * kPlaneBytes + 16;   // a column's 32 records (padded: banks)
 constexpr int kGqPlaneStage = kGqCols * kGqPlanePitch;  // the part's planes of one chunk
-// Two weight stages, two buffers of a chunk's scales (each also the sums' space), two planes stages:
-// ~111 KB, two blocks an SM (228 KB).
-constexpr int kGqSmem = 2 * kGqStage + 2 * kGqRedBytes + 2 * kGqPlaneStage;
+// Two weight stages, the sums (and scales), two planes stages: ~102 KB, two blocks an SM.
+constexpr int kGqSmem = 2 * kGqStage + kGqRedBytes + 2 * kGqPlaneStage;
 constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
 static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
@@ -84,10 +83,10 @@ __global__ void __launch_bounds__(kGqThreads)
                             float* __restrict__ Y, int64_t ldy) {
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
-  // Buffer s: stage s's chunk's scales, then (after the barrier that ends their use) the sums of the
-  // slice that chunk ends.
-  auto scales_of = [&](int s) { return reinterpret_cast<float4*>(smem + 2 * kGqStage + s * kGqRedBytes); };
-  uint8_t* planes_s = smem + 2 * kGqStage + 2 * kGqRedBytes;
+  float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  uint8_t* planes_s = smem + 2 * kGqStage + kGqRedBytes;
+  // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
+  float4* scales = reinterpret_cast<float4*>(red);
 #if defined(DS4_IMMA_BULK)
   __shared__ uint64_t bulk_bar[2];  // a barrier a stage
   unsigned bulk_phase = 0;          // bit s: the parity of stage s's next phase
@@ -154,7 +153,7 @@ __global__ void __launch_bounds__(kGqThreads)
 
     // Block k of chunk q (units 32 q + 8 k + 2 cpos and + 1: the warp's sub-block 2 cpos + h of it)
     // into virtual lane k's sums.
-    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, const float4* scales, int k, float (&a)[kGqMT][4]) {
+    auto apply = [&](const uint8_t* chunk, const uint8_t* pl_s, int k, float (&a)[kGqMT][4]) {
       const int xa = 8 * k + 2 * cpos + h;  // the chunk's X unit of the sub-block
       uint32_t b[3][2];
       const uint8_t* rb = pl_s + g * kGqPlanePitch + kPlaneBytes * xa + 4 * t;
@@ -200,65 +199,42 @@ __global__ void __launch_bounds__(kGqThreads)
       }
     };
 
-    // Stage st's chunk has landed and every thread sees it (each waits on the bulk copies' barrier;
-    // cp.async: each waits for its own copies, then the block barrier).
-    auto land = [&](int st) {
-#if defined(DS4_IMMA_BULK)
-      if constexpr (BULK) {
-        bulk_wait_stage(bulk_bar, bulk_phase, st);
-        return;
-      }
-#endif
-      (void)st;
-      ds4_cp_async_wait<0>();
-      __syncthreads();
-    };
-    // Stage st's (dl, ml) pairs into its scales buffer, once for all warps: entry (row, block k,
-    // position c) (a block past the row's end gives values no unit reads). A thread of warps 4-7 (the
-    // copies are on warps 0-4) decodes a (row, block)'s four positions from one read of its header
-    // (pass 25: a thread an entry had read each header and converted its d and dmin four times); a
-    // warp's rows are 32 consecutive ones of one block, so its header reads and stores meet no bank
-    // conflict.
-    auto decode = [&](int st) {
-      if (threadIdx.x < kGqThreads / 2) return;
-      const int i = static_cast<int>(threadIdx.x) - kGqThreads / 2, row = i % kGqRows, k = i / kGqRows;
-      const uint4 head = *reinterpret_cast<const uint4*>(smem + st * kGqStage + row * kGqPitch + 144 * k);
-      float4* scales = scales_of(st);
-  #pragma unroll
-      for (int c = 0; c < 4; ++c) {
-        float4 f;
-        q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
-        scales[row * kGqScalePitch + 4 * k + c] = f;
-      }
-    };
-
-    // Chunk 0 lands and its scales are decoded before the loop; each pass then issues the next chunk
-    // into the other stage, applies this one, waits for the next one and decodes its scales into the
-    // other buffer, and ends with one block barrier (pass 25: two a chunk before, one after the scale
-    // decode and one before the stage was filled again).
     int stage = 0;
+    if (n_chunks > 0) issue(0, 0);
     zero();
-    if (n_chunks > 0) {
-      issue(0, 0);
-      land(0);
-      decode(0);
-      __syncthreads();
-    }
     for (int q = n_chunks > 0 ? 0 : -1; q >= 0;) {
       const int nq = static_cast<int>(chunk_after(q, ks, n_chunks));
-      if (nq >= 0) issue(nq, stage ^ 1);  // free since the last pass's barrier
+#if defined(DS4_IMMA_BULK)
+      if constexpr (BULK) {
+        if (nq >= 0) issue(nq, stage ^ 1);
+        bulk_wait_stage(bulk_bar, bulk_phase, stage);
+      } else
+#endif
+      {
+        next_stage(nq, stage, issue);
+      }
       const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
-      const float4* scales = scales_of(stage);
+      // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
+      // the row's end gives values no unit reads). A thread of warps 4-7 (the copies are on warps 0-4)
+      // decodes a (row, block)'s four positions from one read of its header (pass 25: a thread an
+      // entry had read each header and converted its d and dmin four times); a warp's rows are 32
+      // consecutive ones of one block, so its header reads and its stores meet no bank conflict.
+      if (threadIdx.x >= kGqThreads / 2) {
+        const int i = static_cast<int>(threadIdx.x) - kGqThreads / 2, row = i % kGqRows, k = i / kGqRows;
+        const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
+  #pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          float4 f;
+          q4k_unit_scales(head.x, head.y, head.z, head.w, c, &f.x, &f.y, &f.z, &f.w);
+          scales[row * kGqScalePitch + 4 * k + c] = f;
+        }
+      }
+      __syncthreads();
   #pragma unroll
       for (int k = 0; k < 4; ++k)
-        if (32 * q + 8 * k < units) apply(chunk, pl_s, scales, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
-      if (nq >= 0) {
-        land(stage ^ 1);
-        decode(stage ^ 1);
-      }
-      __syncthreads();  // this stage and its scales are free; the next chunk's scales are in place
-      float* red = reinterpret_cast<float*>(scales_of(stage));
+        if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+      __syncthreads();  // the stage is free before it is filled again
       const int s_now = slice_of(q, ks);
       if (nq < 0 || slice_of(nq, ks) != s_now) {
         // The slice's butterfly: B_w in registers (lanes w, w + 8, w + 16, w + 24), the rest through
