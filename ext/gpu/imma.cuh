@@ -62,8 +62,8 @@ __device__ __forceinline__ float kslice_tree(const float (&y)[4], int ks) {
   return y[0];
 }
 
-// The k-slice of chunk q: q % ks for ks = 1, 2 or 4 (matvec_kslices), as a mask (a 64-bit % by a
-// runtime divisor had cost a warp ~30 instructions a chunk in each kernel's loop).
+// The k-slice of chunk q: q % ks for ks = 1, 2 or 4 (matvec_kslices), as a mask (a % by the runtime
+// ks had compiled to a division sequence a chunk, and a 64-bit division call at a slice's end).
 __device__ __forceinline__ int slice_of(int64_t q, int ks) { return static_cast<int>(q & (ks - 1)); }
 
 // The chunks of a row in the order the kernels work them: k-slice 0's (0, KS, 2 KS, ...), then slice

@@ -216,7 +216,7 @@ __global__ void __launch_bounds__(kGqThreads)
       const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
-      // the row's end gives values no unit reads). A thread of warps 4-7 (the copies are on warps 0-4)
+      // the row's end gives values no unit reads). A thread of warps 4-7 (the bulk copies are on warps 0-4)
       // decodes a (row, block)'s four positions from one read of its header (pass 25: a thread an
       // entry had read each header and converted its d and dmin four times); a warp's rows are 32
       // consecutive ones of one block, so its header reads and its stores meet no bank conflict.
