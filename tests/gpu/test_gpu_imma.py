@@ -214,8 +214,9 @@ def test_batched_members_and_multi_products_match(imma) -> None:
 
 
 # (K, rows, experts): one k-slice (32 units); two k-slices, rows not a multiple of 32; two k-slices
-# with a partial last chunk (72 units: 2 chunks and 8 units); flash-l4's down shape (2048 -> 4096).
-GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3)]
+# with a partial last chunk (72 units: 2 chunks and 8 units); flash-l4's down shape (2048 -> 4096);
+# four k-slices (136 units: 4 chunks and 8 units, so slice 0 takes two).
+GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3), (4352, 300, 3)]
 
 
 @pytest.mark.parametrize("ne0, ne1, n_expert", GROUPED, ids=[f"{k}x{r}x{e}" for k, r, e in GROUPED])

@@ -148,10 +148,11 @@ if [ $bench = 1 ]; then
   for ((i = 0; i < ${#ncu_runs[@]}; i += 3)); do
     c=${ncu_runs[i]} variant=${ncu_runs[i + 1]} regex=${ncu_runs[i + 2]}
     echo "== ncu C=$c [$variant] $regex ($((SECONDS - start)) s)"
-    # C = pN: one prompt step of N rows (the first 3 matching launches, with the memory, compute and instruction sections)
+    # C = pN: one prompt step of N rows (the first 3 matching launches, with the sections below too)
     step_args=("$c") sections=()
     if [[ $c == p* ]]; then
-      step_args=(1 --prompt-rows "${c#p}") sections=(--section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis
+      step_args=(1 --prompt-rows "${c#p}")
+      sections=(--section MemoryWorkloadAnalysis --section SchedulerStats --section ComputeWorkloadAnalysis
                 --section InstructionStats -c 3)
     fi
     timeout "$(left 90)" ncu --clock-control none --profile-from-start off --target-processes all \
