@@ -68,7 +68,6 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int gpu_set_matvec_imma_tiles "ds4::gpu::testing::set_matvec_imma_tiles"(int wide_rows, int q4k_rows) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -291,15 +290,6 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     Returns (min_rows, ahead, persist) now."""
     v = int(gpu_set_matvec_imma_narrow(min_rows, ahead, persist))
     return v // 4, bool(v & 1), bool(v & 2)
-
-
-def _t_gpu_set_matvec_imma_tiles(int wide_rows, int q4k_rows):
-    """The prompt steps' tensor-core tile heights (ext/gpu/imma.h), process-wide: the Q8_0 tile of calls
-    of more than 8 columns, 32 (32 x 32) or 64 (64 x 16) rows, and the grouped Q4_K kernel's rows a
-    block, 32 or 64; -1 for either: back to its environment variable or the default. The bits never
-    depend on them. Returns the settings now, (wide_rows, q4k_rows)."""
-    v = int(gpu_set_matvec_imma_tiles(wide_rows, q4k_rows))
-    return v // 1000, v % 1000
 
 
 IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order
@@ -627,7 +617,6 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
-    gpu_set_matvec_imma_tiles=_t_gpu_set_matvec_imma_tiles,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

@@ -252,11 +252,10 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
-  // least row width; the fused mHC sites; the parallel compressors; the prompt steps' tensor-core tile
-  // heights).
+  // least row width; the fused mHC sites).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool, int, int>;
+                 bool, bool>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -1142,8 +1141,7 @@ void GpuEngine::Impl::run_graph() {
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
-                     hc_fused, route_fused, attn_q_fused, parallel_compressor, matvec_imma_wide_rows(),
-                     matvec_imma_q4k_rows()};
+                     hc_fused, route_fused, attn_q_fused, parallel_compressor};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

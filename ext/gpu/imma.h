@@ -43,17 +43,6 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// The prompt steps' tile heights (set_matvec_imma_tiles; -1: back to the environment or the default):
-// the Q8_0 tile of calls of more than 8 columns, 32 rows x 32 columns or 64 x 16
-// (DS4_GPU_MV_IMMA_WIDE_ROWS=32/64; a tile's B operands, the planes, are read once per block, so
-// taller tiles read fewer of them: pass 26), and the grouped Q4_K kernel's rows a block, 32 (8 warps,
-// two blocks an SM) or 64 (16 warps, one block an SM, the part's planes copied once for twice the
-// rows; DS4_GPU_MV_IMMA_Q4K_ROWS=32/64). The same bits either way; graph key.
-constexpr int kImmaDefaultWideRows = 32;
-constexpr int kImmaDefaultQ4kRows = 32;
-void set_matvec_imma_tiles(int wide_rows, int q4k_rows);
-int matvec_imma_wide_rows();
-int matvec_imma_q4k_rows();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
 // the Q8_0 tiles' and the grouped Q4_K kernel's cp.async or bulk-copy instantiation

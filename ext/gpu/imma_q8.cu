@@ -67,8 +67,6 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
-std::atomic<int> g_imma_wide_rows{-1};    // the wide Q8_0 tile's rows, 32 or 64 (-1: environment)
-std::atomic<int> g_imma_q4k_rows{-1};     // the grouped Q4_K kernel's rows a block, 32 or 64 (-1: environment)
 std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -79,8 +77,8 @@ constexpr int kImmaMaxSlices = 4;
 static_assert(kImmaWarps == 16, "the butterfly below takes lanes w and w + 16 a warp");
 
 // A block's tile: MT m-tiles (16 rows) x NT n-tiles (8 columns), every warp all of it. Wide calls
-// take 32 x 32 (2, 4) or 64 x 16 (4, 2: matvec_imma_wide_rows); calls of at most 8 columns 64 x 8
-// (4, 1), so a decode step's few columns do not pay for 32.
+// take 32 x 32 (2, 4); calls of at most 8 columns 64 x 8 (4, 1), so a decode step's few columns do
+// not pay for 32.
 template <int MT, int NT>
 struct ImmaShape {
   static constexpr int kRows = 16 * MT, kCols = 8 * NT, kOut = kRows * kCols;
@@ -210,66 +208,43 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
   };
 
   // Unit u (lane v of its chunk) into the sums a of one of this warp's virtual lanes; its B operands
-  // are `ahead` (AHEAD) or loaded here. Each sum takes one fmaf a unit, so the order of the (m-tile,
-  // n-tile) products is free: the 64 x 16 tile holds both n-tiles' B operands and loads an m-tile's A
-  // at a time (22 live registers, where holding every A would take 32 and spill); the others hold
-  // their m-tiles' A and load an n-tile's B at a time.
-  constexpr bool kBOuter = NT > 1 && NT * 8 + 6 < MT * 6 + 8;
+  // are `ahead` (AHEAD) or loaded here, an n-tile at a time.
   auto apply = [&](const uint8_t* chunk, int v, int64_t u, const ImmaB (&ahead)[NT], float (&a)[MT][NT][4]) {
-    auto load_a = [&](int mt, uint32_t (&A)[4], float (&d)[2]) {
+    uint32_t A[MT][4];
+    float d[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const uint8_t* unit = chunk + (16 * mt + g + 8 * h) * kImmaPitch + 34 * v;
         uint32_t lo, hi;
-        unit_q(unit, v, t, &lo, &hi, &d[h]);
-        A[h] = lo;      // a0 / a1: rows g / g + 8, k-slots 4t..4t+3
-        A[2 + h] = hi;  // a2 / a3: k-slots 16 + 4t..
+        unit_q(unit, v, t, &lo, &hi, &d[mt][h]);
+        A[mt][h] = lo;      // a0 / a1: rows g / g + 8, k-slots 4t..4t+3
+        A[mt][2 + h] = hi;  // a2 / a3: k-slots 16 + 4t..
       }
-    };
-    auto product = [&](const uint32_t (&A)[4], const float (&d)[2], const ImmaB& bn, float (&acc4)[4]) {
-      const int zero4[4] = {0, 0, 0, 0};
-      int s1[4], tt[4], s2[4];
-      mma_s8_k32(s1, A, bn.b1.x, bn.b1.y, zero4);
+    }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s1[e] *= 256;
-      mma_s8_k32(tt, A, bn.b0.x, bn.b0.y, s1);
-      mma_s8_k32(s2, A, bn.b2.x, bn.b2.y, zero4);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
-        acc4[e] = fmaf(f, d[e >> 1] * bn.s256[e & 1], acc4[e]);
-      }
-    };
-    auto b_of = [&](int nt, ImmaB& bn) {
+    for (int nt = 0; nt < NT; ++nt) {
+      ImmaB bn;
       if constexpr (AHEAD) {
         bn = ahead[nt];
       } else {
         load_b(u, nt, bn);
       }
-    };
-    if constexpr (kBOuter) {
-      ImmaB bn[NT];
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) b_of(nt, bn[nt]);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint32_t A[4];
-        float d[2];
-        load_a(mt, A, d);
+        const int zero4[4] = {0, 0, 0, 0};
+        int s1[4], tt[4], s2[4];
+        mma_s8_k32(s1, A[mt], bn.b1.x, bn.b1.y, zero4);
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt) product(A, d, bn[nt], a[mt][nt]);
-      }
-    } else {
-      uint32_t A[MT][4];
-      float d[MT][2];
+        for (int e = 0; e < 4; ++e) s1[e] *= 256;
+        mma_s8_k32(tt, A[mt], bn.b0.x, bn.b0.y, s1);
+        mma_s8_k32(s2, A[mt], bn.b2.x, bn.b2.y, zero4);
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) load_a(mt, A[mt], d[mt]);
-#pragma unroll
-      for (int nt = 0; nt < NT; ++nt) {
-        ImmaB bn;
-        b_of(nt, bn);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) product(A[mt], d[mt], bn, a[mt][nt]);
+        for (int e = 0; e < 4; ++e) {
+          const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
+          a[mt][nt][e] = fmaf(f, d[mt][e >> 1] * bn.s256[e & 1], a[mt][nt][e]);
+        }
       }
     }
   };
@@ -422,29 +397,6 @@ int matvec_imma_narrow_rows() {
 bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
-
-// A tile-height switch: 32 or 64, read from the environment (name) on first use, else `fallback`.
-static int rows_now(std::atomic<int>& state, const char* name, int fallback) {
-  int v = state.load(std::memory_order_relaxed);
-  if (v < 0) {
-    const char* e = std::getenv(name);
-    v = e != nullptr && (std::atoi(e) == 32 || std::atoi(e) == 64) ? std::atoi(e) : fallback;
-    state.store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
-void set_matvec_imma_tiles(int wide_rows, int q4k_rows) {
-  for (int v : {wide_rows, q4k_rows})
-    if (v != -1 && v != 32 && v != 64)
-      throw std::invalid_argument("set_matvec_imma_tiles: rows must be 32 or 64 (-1: the default)");
-  g_imma_wide_rows.store(wide_rows, std::memory_order_relaxed);
-  g_imma_q4k_rows.store(q4k_rows, std::memory_order_relaxed);
-}
-
-int matvec_imma_wide_rows() { return rows_now(g_imma_wide_rows, "DS4_GPU_MV_IMMA_WIDE_ROWS", kImmaDefaultWideRows); }
-
-int matvec_imma_q4k_rows() { return rows_now(g_imma_q4k_rows, "DS4_GPU_MV_IMMA_Q4K_ROWS", kImmaDefaultQ4kRows); }
 // DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles and the grouped Q4_K kernel copy by cp.async (read once a
 // process; the same bits either way, so not part of the graph key).
 bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
@@ -460,7 +412,6 @@ bool imma_prepare() {
     auto both = [&](auto bulk) {
       constexpr bool B = decltype(bulk)::value;
       return smem(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>::kSmem) &&
-             smem(imma_q8_kernel<4, 2, false, B>, ImmaShape<4, 2>::kSmem) &&
              smem(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>::kSmem) &&
              smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem);
     };
@@ -488,10 +439,6 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int set_matvec_imma_tiles(int wide_rows, int q4k_rows) {
-  ds4::gpu::set_matvec_imma_tiles(wide_rows, q4k_rows);
-  return matvec_imma_wide_rows() * 1000 + matvec_imma_q4k_rows();
-}
 int64_t imma_launches(int path) {
   if (path < -1 || path >= kImmaPaths)
     throw std::invalid_argument("imma_launches: path must be -1 (all) or one of imma.h's ImmaPath values");
@@ -518,7 +465,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   if (ncols <= 8 && rows * n_batch < matvec_imma_narrow_rows()) return false;
   const int ks = matvec_kslices(rows, units);
   if (!imma_prepare()) return false;
-  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 (or 64 x 16) from 9.
+  // The tile by width (the bits never depend on it): 64 x 8 up to 8 columns, 32 x 32 from 9.
   auto go = [&](auto kernel, auto shape) {
     using S = decltype(shape);
     // The narrow tile of one member with more row blocks than SMs: one block an SM (its shared memory
@@ -533,9 +480,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   };
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
-    if (ncols > 8 && matvec_imma_wide_rows() == 64) {
-      go(imma_q8_kernel<4, 2, false, B>, ImmaShape<4, 2>{});
-    } else if (ncols > 8) {
+    if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
     } else if (matvec_imma_ahead()) {
       go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});

@@ -193,9 +193,6 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // set_matvec_imma_narrow(min_rows, ahead, persist) (imma.h: -1 the default); returns
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
-// set_matvec_imma_tiles(wide_rows, q4k_rows) (imma.h: 32 or 64, -1 the default); returns
-// matvec_imma_wide_rows() * 1000 + matvec_imma_q4k_rows() after it.
-int set_matvec_imma_tiles(int wide_rows, int q4k_rows);
 // Launches of the integer tensor-core kernels so far in this process (a test's proof that they ran):
 // path -1 all of them, else those on one ImmaPath (imma.h).
 int64_t imma_launches(int path);
@@ -220,7 +217,6 @@ inline bool set_planes_fused(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
 inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int set_matvec_imma_narrow(int, int, int) { no_backend(); }
-inline int set_matvec_imma_tiles(int, int) { no_backend(); }
 inline int64_t imma_launches(int) { no_backend(); }
 inline int64_t planes_prep_launches() { no_backend(); }
 }  // namespace testing

@@ -38,7 +38,6 @@ def imma():
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
     T.gpu_set_matvec_imma_narrow(-1, -1, -1)
-    T.gpu_set_matvec_imma_tiles(-1, -1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -73,14 +72,6 @@ def test_imma_switches_read_back(imma) -> None:
     for bad in ((0, 2, 1), (0, 1, 2), (-2, 1, 1)):
         with pytest.raises(ValueError):
             T.gpu_set_matvec_imma_narrow(*bad)
-    default_tiles = T.gpu_set_matvec_imma_tiles(-1, -1)
-    assert set(default_tiles) <= {32, 64}
-    assert T.gpu_set_matvec_imma_tiles(64, 32) == (64, 32)
-    assert T.gpu_set_matvec_imma_tiles(32, 64) == (32, 64)
-    assert T.gpu_set_matvec_imma_tiles(-1, -1) == default_tiles
-    for bad in ((48, 32), (32, 0), (-2, 32)):
-        with pytest.raises(ValueError):
-            T.gpu_set_matvec_imma_tiles(*bad)
 
 
 # (K, rows): k-slices 1 (one chunk; a partial chunk of 16 units; 8 units; tall; taller than 132 SMs'
@@ -100,16 +91,13 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     x[5, : ne0 // 3] = 0.0
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
-    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 or 64 x 16 tiles, up to 8 64 x 8
-        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not;
-        # the wide calls on both of their tiles.
-        for ahead, persist, rows in ((1, 1, 32), (0, 1, 32), (1, 0, 32)) if width <= 8 else ((1, 1, 32), (1, 1, 64)):
+    for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
+        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not.
+        for ahead, persist in ((1, 1), (0, 1), (1, 0)) if width <= 8 else ((1, 1),):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
-            T.gpu_set_matvec_imma_tiles(rows, -1)
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
-            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist, rows)
-    T.gpu_set_matvec_imma_tiles(-1, -1)
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist)
     # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
     T.gpu_set_matvec_imma_narrow(ne1 + 1, 1, 1)
     got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
@@ -233,9 +221,9 @@ GROUPED = [(1024, 300, 6), (2048, 1000, 5), (2304, 200, 4), (2048, 4096, 3), (43
 
 @pytest.mark.parametrize("ne0, ne1, n_expert", GROUPED, ids=[f"{k}x{r}x{e}" for k, r, e in GROUPED])
 def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_expert: int) -> None:
-    """Every pair of a grouped Q4_K product bit-identical on either kernel (blocks of 32 and of 64 rows):
-    parts of 8 and of 3 pairs, lanes routing twice to one expert, nonfinite and tiny activation rows;
-    and a pair equal to its expert's dense product on its column alone."""
+    """Every pair of a grouped Q4_K product bit-identical on either kernel: parts of 8 and of 3 pairs,
+    lanes routing twice to one expert, nonfinite and tiny activation rows; and a pair equal to its
+    expert's dense product on its column alone."""
     rng = np.random.default_rng()
     raw = tame_raw(Q4_K, ne0 * ne1 * n_expert, rng)
     n_lanes = 48  # 144 pairs: one a expert counts at least 128 experts
@@ -248,13 +236,10 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
-        for rows in (32, 64):
-            T.gpu_set_matvec_imma_tiles(-1, rows)
-            before = T.gpu_imma_launches("q4k_bulk")
-            got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
-            assert T.gpu_imma_launches("q4k_bulk") - before == 1
-            assert same_bits(got, want), (max_part, rows)
-    T.gpu_set_matvec_imma_tiles(-1, -1)
+        before = T.gpu_imma_launches("q4k_bulk")
+        got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
+        assert T.gpu_imma_launches("q4k_bulk") - before == 1
+        assert same_bits(got, want), max_part
     expert_bytes = ne0 // 256 * 144 * ne1
     imma(0)
     for p in (0, 5, 7, len(pe) - 1):
@@ -320,20 +305,18 @@ def assert_same_logits(out: dict) -> None:
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
     taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
-    expert or more (on either tile height), and with them off, eager and under graphs (the thresholds
-    and tiles are part of the graph key)."""
+    expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
+    key)."""
     from tests.engine_cases import Seq, prompt
 
-    def setting(threshold: int, rows: int = 32):
-        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0),
-                        T.gpu_set_matvec_imma_tiles(rows, rows))
+    def setting(threshold: int):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0))
 
     out = engine_runs(tmp_path, 11, 80,
                       lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
                                   Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
-                      {0: setting(0), 4: setting(4), "4t64": setting(4, 64)})
+                      {0: setting(0), 4: setting(4)})
     assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
-    assert out[False, "4t64"][1] == out[False, 4][1]
     assert_same_logits(out)
 
 

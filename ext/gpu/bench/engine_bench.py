@@ -49,9 +49,7 @@ includes the plan upload, every kernel and the logits download). Method:
   staged kernel from, `hcfused=0/1` each mHC site (the post before it, its projection, its pre)
   fused into two launches, `routefused=0/1` the router's product, the route and the parts in one
   launch, `attnq=0/1` q's per-head norm and RoPE inside the attention's split kernel,
-  `comppar=0/1` the compressors' parallel path on prompt steps, `immawide=32/64` the tensor-core
-  Q8_0 tile of calls of more than 8 columns (32 x 32 or 64 x 16) and `q4krows=32/64` the grouped
-  Q4_K tensor-core kernel's rows a block (imma.h); joined
+  `comppar=0/1` the compressors' parallel path on prompt steps; joined
   by ':', variants by ','; what a variant does not name is at its default): prefill
   and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8` and
@@ -214,8 +212,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
-                   "hcfused": True, "routefused": True, "attnq": True, "comppar": True,
-                   "immawide": -1, "q4krows": -1}
+                   "hcfused": True, "routefused": True, "attnq": True, "comppar": True}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -224,8 +221,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
-                   "immawide", "q4krows"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -252,7 +248,6 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     runner._impl.use_route_fused = want["routefused"]
     runner._impl.use_attn_q_fused = want["attnq"]
     runner._impl.use_parallel_compressor = want["comppar"]
-    _native._testing.gpu_set_matvec_imma_tiles(want["immawide"], want["q4krows"])
 
 
 class Runs:
