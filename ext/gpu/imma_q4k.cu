@@ -231,9 +231,17 @@ __global__ void __launch_bounds__(kGqThreads)
         }
       }
       __syncthreads();
+      if (32 * q + 32 <= units) {
+        // A whole chunk: the four blocks' applies in one basic block, so the scheduler interleaves
+        // their independent chains (loads, mma, the float steps) where a branch between them had kept
+        // each apart.
   #pragma unroll
-      for (int k = 0; k < 4; ++k)
-        if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+        for (int k = 0; k < 4; ++k) apply(chunk, pl_s, k, acc[k]);
+      } else {
+  #pragma unroll
+        for (int k = 0; k < 4; ++k)
+          if (32 * q + 8 * k < units) apply(chunk, pl_s, k, acc[k]);  // unit 32q + 8k + w < units (units % 8 == 0)
+      }
       __syncthreads();  // the stage is free before it is filled again
       const int s_now = slice_of(q, ks);
       if (nq < 0 || slice_of(nq, ks) != s_now) {

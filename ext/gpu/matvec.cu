@@ -1200,16 +1200,18 @@ void matvec_grouped(const TensorView& W, const ExpertPart* parts, const int32_t*
     return;
   }
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
-  // The own kernel's integer products read X's planes, made here for the x_rows rows of X (unknown
-  // x_rows: matvec_grouped_kernel builds them lane by lane, the same bytes).
+  // The own kernel's and the tensor cores' integer products read X's planes, made here for the x_rows
+  // rows of X (unknown x_rows: matvec_grouped_kernel builds them lane by lane, the same bytes).
   PlanesLease lease;
   GroupedPlanes gp;
-  if (planes_for(W) && x_rows > 0 && own_takes(W, units)) {
+  const bool own = own_takes(W, units);
+  if (planes_for(W) && x_rows > 0 && (own || imma_q4k_takes(W, max_parts))) {
     lease = prepare_planes(X, ldx, 0, static_cast<int>(x_rows), 1, W.ne[0], scratch, s);
-    gp = GroupedPlanes{lease.data, lease.ldp};
-    // Steps of many rows on the integer tensor cores where they serve: the same bits (imma_q4k.cu).
-    if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, gp.data, gp.ldp, Y, ldy, s))
+    // Steps of many rows on the integer tensor cores where they serve, at any k-slice count: the same
+    // bits (imma_q4k.cu).
+    if (imma_q4k_grouped(W, units, parts, n_parts, max_parts, sorted_pairs, x_row, lease.data, lease.ldp, Y, ldy, s))
       return;
+    if (own) gp = GroupedPlanes{lease.data, lease.ldp};
   }
   switch (W.type) {
     case DType::F32: launch_grouped<kF32>(W, units, parts, n_parts, max_parts, max_cols, sorted_pairs, x_row, X, ldx, Y, ldy, s, gp); break;
