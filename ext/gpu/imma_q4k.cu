@@ -33,6 +33,7 @@
 // part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 
 #include "imma.cuh"
 #include "imma.h"
@@ -284,6 +285,17 @@ __global__ void __launch_bounds__(kGqThreads)
 
 }  // namespace
 
+// The grid's waves of resident blocks: DS4_GPU_MV_IMMA_Q4K_WAVES=N (1..16; read once a process; the
+// same bits at any N), default 1.
+static int q4k_waves() {
+  static const int waves = [] {
+    const char* e = std::getenv("DS4_GPU_MV_IMMA_Q4K_WAVES");
+    const int v = e != nullptr ? std::atoi(e) : 0;
+    return v >= 1 && v <= 16 ? v : 1;
+  }();
+  return waves;
+}
+
 bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #if defined(DS4_IMMA)
   const int min_pairs = matvec_imma_grouped();
@@ -328,9 +340,13 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   if (!imma_q4k_prepare()) return false;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
-  // Blocks for about eight of each SM's two resident blocks, each working its share of the parts.
+  // One wave of blocks (two an SM), each working its share of the parts: all resident at once, the
+  // blocks walk the parts together, so the parts of an expert (consecutive) run at about the same time
+  // and its weights come from DRAM once, then from L2. Pass 26: four waves (DS4_GPU_MV_IMMA_Q4K_WAVES=4)
+  // had read each expert's weights from DRAM about four times, once a wave.
   const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
-  const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
+  const int64_t part_blocks =
+      std::min<int64_t>(max_parts, std::max<int64_t>(1, q4k_waves() * 2 * device_sms() / row_blocks));
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
   const bool bulk = matvec_imma_bulk();
   launch(bulk ? imma_q4k_grouped_kernel<true> : imma_q4k_grouped_kernel<false>, grid, kGqThreads, kGqSmem, stream,
