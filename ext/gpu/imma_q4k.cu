@@ -23,8 +23,7 @@
 // B_w through shared memory in the butterfly's order.
 //
 // Layout of the work: block (x, y) = rows [32x, 32x + 32) of parts y, y + gridDim.y, ..., 8 warps of
-// 32 threads, one n-tile of a part's (up to) 8 pairs (or rows [64x, 64x + 64) and 16 warps, each 32
-// rows worked as an 8-warp block works its own, sharing the chunk's planes: GqShape). Per chunk of 32 units (four 144-byte blocks a
+// 32 threads, one n-tile of a part's (up to) 8 pairs. Per chunk of 32 units (four 144-byte blocks a
 // row) the block copies its rows' 576 bytes and the part's columns' planes of the chunk's 32 X units
 // (bulk copies, one a row or column, or cp.async; two stages: the next chunk is in flight meanwhile)
 // into shared memory, then decodes
@@ -34,7 +33,6 @@
 // part's expert rows once, the planes of its columns once per 32 rows (L2), Y.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 
 #include "imma.cuh"
 #include "imma.h"
@@ -47,53 +45,46 @@ namespace ds4::gpu {
 
 namespace {
 
-constexpr int kGqWarps = 8;                   // warps of a 32-row half: one a unit position
+constexpr int kGqWarps = 8;
+constexpr int kGqThreads = kGqWarps * DS4_WARP;
 constexpr int kGqMT = 2;                      // m-tiles of 16 rows a warp
-constexpr int kGqRows = 16 * kGqMT;           // rows a half
+constexpr int kGqRows = 16 * kGqMT;           // rows a block
 constexpr int kGqCols = 8;                    // one n-tile: a part's pairs
 constexpr int kGqChunk = 4 * 144;             // a row's bytes of 32 units
 constexpr int kGqPitch = kGqChunk + 16;       // shared row pitch (spreads the banks)
+constexpr int kGqStage = kGqRows * kGqPitch;  // one copy stage
+constexpr int kGqOut = kGqRows * kGqCols;
 constexpr int kGqRedPitch = kGqCols + 1;
-constexpr int kGqRed = kGqRows * kGqRedPitch;          // one warp's sums (floats)
+constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
+constexpr int kGqRedBytes = kGqWarps * kGqRed * 4;
 constexpr int kGqPlanePitch = 32 * kPlaneBytes + 16;   // a column's 32 records (padded: banks)
 constexpr int kGqPlaneStage = kGqCols * kGqPlanePitch;  // the part's planes of one chunk
+// Two weight stages, the sums (and scales), two planes stages: ~102 KB, two blocks an SM.
+constexpr int kGqSmem = 2 * kGqStage + kGqRedBytes + 2 * kGqPlaneStage;
 constexpr int kGqScalePitch = 17;  // float4 entries a row of a chunk's scales (16, padded: banks)
+static_assert(kGqRows * kGqScalePitch * 16 <= kGqWarps * kGqRed * 4, "the scales fit the sums' space");
 constexpr int kGqMaxSlices = 4;
 constexpr int64_t kImmaGroupedMinExperts = 128;  // imma_q4k_takes counts at least this many experts
+static_assert(kGqOut == kGqThreads, "a thread stores one output");
+static_assert(kGqRows * 4 == kGqThreads / 2, "warps 4-7 decode a chunk's scales, a thread a (row, block)");
 static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
-
-// A block of H halves of 32 rows (H = 1 or 2: DS4_GPU_MV_IMMA_Q4K_ROWS), 8 warps a half. Its shared
-// memory: two weight stages, the sums (and scales), two planes stages: ~102 KB for one half (two
-// blocks an SM), ~152 KB for two (one block an SM, its 16 warps sharing each chunk's planes).
-template <int H>
-struct GqShape {
-  static constexpr int kWarps = H * kGqWarps, kThreads = kWarps * DS4_WARP, kRows = H * kGqRows;
-  static constexpr int kStage = kRows * kGqPitch;  // one weight copy stage
-  static constexpr int kRedBytes = kWarps * kGqRed * 4;
-  static constexpr int kSmem = 2 * kStage + kRedBytes + 2 * kGqPlaneStage;
-  static_assert(kRows * kGqScalePitch * 16 <= kRedBytes, "the scales fit the sums' space");
-  static_assert(kRows * kGqCols == kThreads, "a thread stores one output");
-  static_assert(kRows * 4 == kThreads / 2, "the second half of the warps decode a chunk's scales, a thread a (row, block)");
-};
 
 #if defined(DS4_IMMA)
 
 // BULK: each stage's weight rows and plane runs by the bulk copy engine (one instruction a row or a
 // column's run, imma.cuh bulk_copy_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else by cp.async (copy_runs:
-// one a 16-byte vector). The same bytes in the same places. H: the block's 32-row halves (GqShape);
-// warp w works rows [32 (w / 8), +32) as the 8-warp block does its 32.
-template <int H, bool BULK>
-__global__ void __launch_bounds__(GqShape<H>::kThreads)
+// one a 16-byte vector). The same bytes in the same places.
+template <bool BULK>
+__global__ void __launch_bounds__(kGqThreads)
     imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
                             int units, int ks, const ExpertPartDev* __restrict__ parts,
                             const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                             const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
                             float* __restrict__ Y, int64_t ldy) {
-  using S = GqShape<H>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
-  float* red = reinterpret_cast<float*>(smem + 2 * S::kStage);
-  uint8_t* planes_s = smem + 2 * S::kStage + S::kRedBytes;
+  float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
+  uint8_t* planes_s = smem + 2 * kGqStage + kGqRedBytes;
   // The chunk's scales share the sums' space: each is written after a barrier that ends the other's use.
   float4* scales = reinterpret_cast<float4*>(red);
 #if defined(DS4_IMMA_BULK)
@@ -113,9 +104,8 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
     const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
     const int g = lane >> 2, t = lane & 3;
     const int cpos = (warp >> 1) & 3, h = warp & 1;  // the warp's unit position in each block
-    const int half = warp / kGqWarps;                // its 32 rows of the block's
     const uint8_t* We = W + static_cast<int64_t>(pt.expert) * expert_bytes;
-    const int r0 = static_cast<int>(blockIdx.x) * S::kRows;
+    const int r0 = static_cast<int>(blockIdx.x) * kGqRows;
     if (threadIdx.x < kGqCols) {
       const int j = static_cast<int>(threadIdx.x);
       const int32_t pair = sorted_pairs[pt.first + (j < pt.count ? j : pt.count - 1)];
@@ -135,18 +125,18 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
 #if defined(DS4_IMMA_BULK)
       if constexpr (BULK) {
         uint64_t* bar = bulk_bar + stage;
-        if (threadIdx.x == 0) bulk_expect(bar, left * (18 * S::kRows + kPlaneBytes * kGqCols));
-        // The weight rows on warps 0-3 (8 or 16 each), the planes on warp 4 (pass 25: the copies'
-        // address set-up had been ~90 of a warp's ~820 instructions a chunk on every warp).
-        bulk_copy_rows<S::kThreads>(smem + stage * S::kStage, kGqPitch, S::kRows, left * 18, wsrc, bar, 0, 4);
-        bulk_copy_rows<S::kThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes,
-                                    psrc, bar, 4, 1);
+        if (threadIdx.x == 0) bulk_expect(bar, left * (18 * kGqRows + kPlaneBytes * kGqCols));
+        // The weight rows on warps 0-3 (8 each), the planes on warp 4 (pass 25: the copies' address
+        // set-up had been ~90 of a warp's ~820 instructions a chunk on every warp).
+        bulk_copy_rows<kGqThreads>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18, wsrc, bar, 0, 4);
+        bulk_copy_rows<kGqThreads>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols, left * kPlaneBytes, psrc,
+                                   bar, 4, 1);
         return;
       }
 #endif
-      copy_runs<S::kThreads, kGqChunk / 16>(smem + stage * S::kStage, kGqPitch, S::kRows, left * 18 / 16, wsrc);
-      copy_runs<S::kThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
-                                                    left * (kPlaneBytes / 16), psrc);
+      copy_runs<kGqThreads, kGqChunk / 16>(smem + stage * kGqStage, kGqPitch, kGqRows, left * 18 / 16, wsrc);
+      copy_runs<kGqThreads, 32 * kPlaneBytes / 16>(planes_s + stage * kGqPlaneStage, kGqPlanePitch, kGqCols,
+                                                   left * (kPlaneBytes / 16), psrc);
       ds4_cp_async_commit();
     };
 
@@ -186,7 +176,7 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
         float dl[2], ml[2];
   #pragma unroll
         for (int rr = 0; rr < 2; ++rr) {
-          const int row = kGqRows * half + 16 * mt + g + 8 * rr;
+          const int row = 16 * mt + g + 8 * rr;
           const uint8_t* qb = chunk + row * kGqPitch + 144 * k + 16 + 32 * cpos + 4 * t;
           const uint32_t q0 = *reinterpret_cast<const uint32_t*>(qb), q1 = *reinterpret_cast<const uint32_t*>(qb + 16);
           av[rr] = (h ? q0 >> 4 : q0) & 0x0f0f0f0fu;      // sub-block elements 4t..4t+3
@@ -223,16 +213,15 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
       {
         next_stage(nq, stage, issue);
       }
-      const uint8_t* chunk = smem + stage * S::kStage;
+      const uint8_t* chunk = smem + stage * kGqStage;
       const uint8_t* pl_s = planes_s + stage * kGqPlaneStage;
       // The chunk's (dl, ml) pairs once for all warps: entry (row, block k, position c) (a block past
-      // the row's end gives values no unit reads). A thread of the second half of the warps (the bulk
-      // copies are on warps 0-4) decodes a (row, block)'s four positions from one read of its header
-      // (pass 25: a thread an entry had read each header and converted its d and dmin four times); a
-      // warp's rows are 32 consecutive ones of one block, so its header reads and its stores meet no
-      // bank conflict.
-      if (threadIdx.x >= S::kThreads / 2) {
-        const int i = static_cast<int>(threadIdx.x) - S::kThreads / 2, row = i % S::kRows, k = i / S::kRows;
+      // the row's end gives values no unit reads). A thread of warps 4-7 (the bulk copies are on warps 0-4)
+      // decodes a (row, block)'s four positions from one read of its header (pass 25: a thread an
+      // entry had read each header and converted its d and dmin four times); a warp's rows are 32
+      // consecutive ones of one block, so its header reads and its stores meet no bank conflict.
+      if (threadIdx.x >= kGqThreads / 2) {
+        const int i = static_cast<int>(threadIdx.x) - kGqThreads / 2, row = i % kGqRows, k = i / kGqRows;
         const uint4 head = *reinterpret_cast<const uint4*>(chunk + row * kGqPitch + 144 * k);
   #pragma unroll
         for (int c = 0; c < 4; ++c) {
@@ -262,15 +251,14 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
         for (int mt = 0; mt < kGqMT; ++mt)
   #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);  // of the warp's half
+            const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
             red[warp * kGqRed + row * kGqRedPitch + col] =
                 (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
           }
         __syncthreads();
-        // Output o is row o % kRows of column o / kRows (imma_q8.cu: a warp stores one line of Y); its
-        // sums are those of the eight warps of its row's half.
-        const int o = static_cast<int>(threadIdx.x), orow = o % S::kRows;
-        const int at = (orow / kGqRows) * kGqWarps * kGqRed + (orow % kGqRows) * kGqRedPitch + o / S::kRows;
+        // Output o is row o % kGqRows of column o / kGqRows (imma_q8.cu: a warp stores one line of Y).
+        const int o = static_cast<int>(threadIdx.x);
+        const int at = (o % kGqRows) * kGqRedPitch + o / kGqRows;
         float b[8];
   #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];
@@ -285,7 +273,7 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
       stage ^= 1;
     }
     const int o = static_cast<int>(threadIdx.x);
-    const int row = r0 + o % S::kRows, col = o / S::kRows;
+    const int row = r0 + o % kGqRows, col = o / kGqRows;
     if (row < rows && col < pt.count)
       Y[static_cast<int64_t>(sorted_pairs[pt.first + col]) * ldy + row] = kslice_tree(ys, ks);
     __syncthreads();  // every warp is done with this part's shared memory before the next one's copies
@@ -295,16 +283,6 @@ __global__ void __launch_bounds__(GqShape<H>::kThreads)
 #endif  // DS4_IMMA
 
 }  // namespace
-
-// The block's rows, 32 (two 8-warp blocks an SM) or 64 (one of 16 warps):
-// DS4_GPU_MV_IMMA_Q4K_ROWS=32/64 (read once a process; the same bits either way), default 32.
-static int q4k_rows() {
-  static const int rows = [] {
-    const char* e = std::getenv("DS4_GPU_MV_IMMA_Q4K_ROWS");
-    return e != nullptr && std::atoi(e) == 64 ? 64 : 32;
-  }();
-  return rows;
-}
 
 bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 #if defined(DS4_IMMA)
@@ -327,13 +305,10 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 bool imma_q4k_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    auto smem = [](auto kernel, int bytes) {
-      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes) == cudaSuccess;
-    };
-    const bool ok = smem(imma_q4k_grouped_kernel<1, false>, GqShape<1>::kSmem) &&
-                    smem(imma_q4k_grouped_kernel<1, true>, GqShape<1>::kSmem) &&
-                    smem(imma_q4k_grouped_kernel<2, false>, GqShape<2>::kSmem) &&
-                    smem(imma_q4k_grouped_kernel<2, true>, GqShape<2>::kSmem);
+    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess &&
+                    cudaFuncSetAttribute(imma_q4k_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                         kGqSmem) == cudaSuccess;
     (void)cudaGetLastError();
     return ok;
   }();
@@ -353,24 +328,14 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   if (!imma_q4k_prepare()) return false;
   const int64_t rows = W.ne[1];
   const int ks = matvec_kslices(rows, units);
+  // Blocks for about eight of each SM's two resident blocks, each working its share of the parts.
+  const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
+  const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
+  const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
   const bool bulk = matvec_imma_bulk();
-  auto go = [&](auto shape) {
-    using S = decltype(shape);
-    constexpr int H = S::kRows / kGqRows;
-    // About 8 blocks an SM in all (four waves of two 32-row blocks, or eight of one 64-row block),
-    // each working its share of the parts.
-    const int64_t row_blocks = (rows + S::kRows - 1) / S::kRows;
-    const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
-    const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-    launch(bulk ? imma_q4k_grouped_kernel<H, true> : imma_q4k_grouped_kernel<H, false>, grid, S::kThreads, S::kSmem,
-           stream, W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
-           static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
-  };
-  if (q4k_rows() == 64) {
-    go(GqShape<2>{});
-  } else {
-    go(GqShape<1>{});
-  }
+  launch(bulk ? imma_q4k_grouped_kernel<true> : imma_q4k_grouped_kernel<false>, grid, kGqThreads, kGqSmem, stream,
+         W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
+         static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");
   imma_count_launch(bulk ? kImmaQ4kBulk : kImmaQ4kCpAsync);
   return true;
