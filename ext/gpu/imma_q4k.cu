@@ -234,7 +234,8 @@ __global__ void __launch_bounds__(kGqThreads)
       if (32 * q + 32 <= units) {
         // A whole chunk: the four blocks' applies in one basic block, so the scheduler interleaves
         // their independent chains (loads, mma, the float steps) where a branch between them had kept
-        // each apart.
+        // each apart (pass 26: 78 -> 109 registers, still two blocks an SM; instructions -14%, the
+        // kernel -6.7% at 2048 rows).
   #pragma unroll
         for (int k = 0; k < 4; ++k) apply(chunk, pl_s, k, acc[k]);
       } else {
