@@ -31,7 +31,7 @@ for r in a b; do
   done
 done
 for s in 0 1; do
-  [ $SECONDS -lt 480 ] || { echo "== tables SUMS=$s skipped (time)"; continue; }
+  [ $SECONDS -lt 400 ] || { echo "== tables SUMS=$s skipped (time)"; continue; }
   echo "== ncu memory tables, first three wide launches, SUMS=$s ($SECONDS s)"
   DS4_GPU_MV_IMMA_SUMS=$s timeout 90 ncu --clock-control none --profile-from-start off --target-processes all -c 3 \
     --section SpeedOfLight --section MemoryWorkloadAnalysis --section MemoryWorkloadAnalysis_Tables \
