@@ -13,6 +13,22 @@
 
 namespace ds4::gpu {
 
+// Where one warp's slice sum of output (row, col) of an R x C block tile lives among the warp's
+// kFloats floats of shared memory, between a slice's mma work and its butterfly. A warp stores its
+// mma fragments (lane 4g + t: rows g (+8, +16 ...), columns 2t, 2t + 1 (+8 ...)) and then reads 32
+// consecutive rows of one column a lane each. Column by column, R + 4 floats a column, both patterns
+// meet 32 different banks (a store's lane: bank 8t + g + its constant). Row by row (C + 1 floats a
+// row, before pass 28) the stores had met 2-way (C = 8) or 4-way (C = 32) bank conflicts: 16.8 M
+// shared-store wavefronts for 4.2 M stores in a wide Q8_0 launch. (Outside DS4_IMMA: the launchers
+// size shared memory by it in every build.)
+template <int R, int C>
+struct SumsLayout {
+  static_assert(R % 32 == 0, "a column's pitch is 4 mod 32 words");
+  static constexpr int kPitch = R + 4;
+  static constexpr int kFloats = C * kPitch;
+  __device__ __forceinline__ static int at(int row, int col) { return col * kPitch + row; }
+};
+
 #if defined(DS4_IMMA)
 
 // D = A B + C, A 16 x 32 and B 32 x 8 signed bytes, exact in 32-bit integers. Fragments (PTX ISA,

@@ -54,8 +54,7 @@ constexpr int kGqChunk = 4 * 144;             // a row's bytes of 32 units
 constexpr int kGqPitch = kGqChunk + 16;       // shared row pitch (spreads the banks)
 constexpr int kGqStage = kGqRows * kGqPitch;  // one copy stage
 constexpr int kGqOut = kGqRows * kGqCols;
-constexpr int kGqRedPitch = kGqCols + 1;
-constexpr int kGqRed = kGqRows * kGqRedPitch;                         // one warp's sums (floats)
+constexpr int kGqRed = SumsLayout<kGqRows, kGqCols>::kFloats;  // one warp's slice sums (floats)
 constexpr int kGqRedBytes = kGqWarps * kGqRed * 4;
 constexpr int kGqPlanePitch = 32 * kPlaneBytes + 16;   // a column's 32 records (padded: banks)
 constexpr int kGqPlaneStage = kGqCols * kGqPlanePitch;  // the part's planes of one chunk
@@ -81,6 +80,7 @@ __global__ void __launch_bounds__(kGqThreads)
                             const int32_t* __restrict__ n_parts, const int32_t* __restrict__ sorted_pairs,
                             const int32_t* __restrict__ x_row, const uint8_t* __restrict__ planes, int64_t ldp,
                             float* __restrict__ Y, int64_t ldy) {
+  using L = SumsLayout<kGqRows, kGqCols>;
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int32_t xrow[kGqCols];  // the part's X rows (past its count: its last column's)
   float* red = reinterpret_cast<float*>(smem + 2 * kGqStage);
@@ -253,13 +253,13 @@ __global__ void __launch_bounds__(kGqThreads)
   #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 16 * mt + g + 8 * (e >> 1), col = 2 * t + (e & 1);
-            red[warp * kGqRed + row * kGqRedPitch + col] =
+            red[warp * kGqRed + L::at(row, col)] =
                 (acc[0][mt][e] + acc[2][mt][e]) + (acc[1][mt][e] + acc[3][mt][e]);
           }
         __syncthreads();
         // Output o is row o % kGqRows of column o / kGqRows (imma_q8.cu: a warp stores one line of Y).
         const int o = static_cast<int>(threadIdx.x);
-        const int at = (o % kGqRows) * kGqRedPitch + o / kGqRows;
+        const int at = L::at(o % kGqRows, o / kGqRows);
         float b[8];
   #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * kGqRed + at];

@@ -83,8 +83,7 @@ template <int MT, int NT>
 struct ImmaShape {
   static constexpr int kRows = 16 * MT, kCols = 8 * NT, kOut = kRows * kCols;
   static constexpr int kStage = kRows * kImmaPitch;  // one copy stage
-  static constexpr int kRedPitch = kCols + 1;         // the sums' row pitch (floats; spreads the banks)
-  static constexpr int kRed = kRows * kRedPitch;      // one warp's sums
+  static constexpr int kRed = SumsLayout<kRows, kCols>::kFloats;  // one warp's slice sums (floats)
   static constexpr int kSmem = 2 * kStage + kImmaWarps * kRed * 4;  // two stages, then the sums
   static_assert(kOut % kImmaThreads == 0, "every thread adds the same number of outputs");
 };
@@ -126,6 +125,7 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
                    int64_t w_member, int64_t p_member, int64_t y_member) {
   using S = ImmaShape<MT, NT>;
+  using L = SumsLayout<S::kRows, S::kCols>;
   extern __shared__ __align__(16) uint8_t smem[];
   float* red = reinterpret_cast<float*>(smem + 2 * S::kStage);
   const int warp = static_cast<int>(threadIdx.x) / DS4_WARP, lane = static_cast<int>(threadIdx.x) % DS4_WARP;
@@ -322,16 +322,16 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const int row = 16 * mt + g + 8 * (e >> 1), col = 8 * nt + 2 * t + (e & 1);
-            red[warp * S::kRed + row * S::kRedPitch + col] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
+            red[warp * S::kRed + L::at(row, col)] = acc[0][mt][nt][e] + acc[1][mt][nt][e];
           }
       __syncthreads();
 #pragma unroll
       for (int j = 0; j < S::kOut / kImmaThreads; ++j) {
         // Output o is row o % kRows of column o / kRows: a warp's stores are 32 consecutive rows of one
-        // column of Y (one 128-byte line), and its reads here 32 rows kRedPitch (odd) words apart (no
+        // column of Y (one 128-byte line), and its reads here 32 rows of one column of the sums (no
         // bank conflict). Pass 22: o had run along a row, so a warp's 32 stores went to 32 lines.
         const int o = static_cast<int>(threadIdx.x) + j * kImmaThreads;
-        const int at = (o % S::kRows) * S::kRedPitch + o / S::kRows;
+        const int at = L::at(o % S::kRows, o / S::kRows);
         float b[8];
 #pragma unroll
         for (int w = 0; w < 8; ++w) b[w] = red[w * S::kRed + at] + red[(w + 8) * S::kRed + at];
