@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Pass 30 call 3 (branch pass30-attn-mma after call 2; prepared in the twenty-eighth session, not yet run).
-# Call 2's revision (QK's dimensions over all 8 warps) measured prefill +6.1% over main's form (2048 rows:
+# Call 2's revision (QK's dimensions over all 8 warps) measured prefill +6.0% over main's form (2048 rows:
 # 16,482 against 15,538 tok/s; the attention 14.3 -> 6.52 ms), but decode C = 1-2 stayed ~10% below main's,
 # and a guarded null key-row load in the 256-dim kernel was speculated (memcheck: reads of 0x0; the tests
 # after it failed on the broken context). Since then: no load from an address that is not a row (key 0's
