@@ -9,7 +9,8 @@
 # pass 29's SIMT PV form removed (it measured no gain: call 1), so DS4_GPU_ATTN_MMA=0 is main's attention.
 # Prediction (written before the run): the GPU tests, memcheck and racecheck clean; prefill as call 2
 # (+6%); decode C = 1-2 within 2% of main's form (the copies were the C <= 2 difference: C >= 4, which
-# stage from global without q_heads' work, already matched).
+# stage from global without q_heads' work, already matched). If not, the run with DS4_GPU_ATTN_Q_FUSED=0
+# (q_heads as its own launch, the same bits) shows whether the fused rotation is what is left.
 set -uo pipefail
 nvidia-smi --query-gpu=name,memory.total --format=csv
 mkdir -p $OUT/E
@@ -25,6 +26,9 @@ grep -E "RACECHECK SUMMARY|passed|failed" $OUT/racecheck.txt | tail -2
 echo "== DS4_GPU_ATTN_MMA=0 bench (main's attention), decode too ($SECONDS s)"
 DS4_GPU_ATTN_MMA=0 timeout 60 python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --json $OUT/mma0_all.json \
   --prefill-rows 512,2048 --long-ctx 0 --steps 20 --variants comppar=1 2>&1 | grep -E "^prefill|^decode"
+echo "== DS4_GPU_ATTN_Q_FUSED=0 bench (the tensor cores, q_heads as its own launch at C = 1-2 as at C >= 4), decode too ($SECONDS s)"
+DS4_GPU_ATTN_Q_FUSED=0 timeout 60 python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --json $OUT/qfused0_all.json \
+  --prefill-rows 512 --long-ctx 0 --steps 20 --variants comppar=1 2>&1 | grep -E "^decode"
 for r in a b; do
   for m in 0 1; do
     [ $SECONDS -lt 200 ] || break
@@ -34,5 +38,5 @@ for r in a b; do
   done
 done
 cp $OUT/E/run.log $OUT/ 2>/dev/null
-(cd $OUT && tar -czf call3_all.tgz E racecheck.txt mma*.json 2>/dev/null; rm -rf E racecheck.txt mma*.json)
+(cd $OUT && tar -czf call3_all.tgz E racecheck.txt mma*.json qfused0* 2>/dev/null; rm -rf E racecheck.txt mma*.json qfused0*)
 echo "done ($SECONDS s)"
