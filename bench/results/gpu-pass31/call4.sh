@@ -1,0 +1,5 @@
+#!/usr/bin/env bash
+# Pass 31 call 4 (thirtieth session, the same machine again): ncu of the attention's two kernels in one
+# eager C = 1 decode step (ncu_step.py, the defaults: 4 heads a tensor-core block), the tensor-core form
+# (DS4_GPU_ATTN_MMA=1) and main's SIMT form (0). Files: call4_ncu_c1_mma1.csv.gz, call4_ncu_c1_mma0.csv.gz.
+export PYTHONPATH=/tmp/site; for m in 1 0; do DS4_GPU_ATTN_MMA=$m timeout 100 ncu --clock-control none --profile-from-start off --target-processes all --section SpeedOfLight --section Occupancy --section WarpStateStats --section LaunchStats --section SchedulerStats --section InstructionStats --csv --page details -k "regex:attention" python3 ext/gpu/bench/ncu_step.py /tmp/f.gguf 1 --variant "" > $OUT/ncu_c1_mma$m.csv 2>$OUT/ncu_c1_mma$m.err; echo "mma=$m exit $?"; grep -E '"Duration"|"Grid Size"|"Block Size"|Registers Per|Achieved Occupancy|"Executed Instructions"|Issued Warp Per|No Eligible|Warp Cycles Per Issued' $OUT/ncu_c1_mma$m.csv | awk -F'","' '{print $5" | "$(NF-3)" | "$NF}' | head -40; done
