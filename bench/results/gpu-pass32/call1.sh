@@ -11,13 +11,15 @@
 # 4 splits instead of 2: 64 blocks, each half the keys), splitmin=16 +1-2% more; with both, C = 1 within
 # 3-5% of the SIMT form at 64. The SIMT form (second process): splitmin=32 +1.5-2.5% at C = 1, C = 4-8
 # +0-1%. Prefill at 2048 rows: tensor cores -0.5 to -1.5% at 32 and 16 (more blocks, each staging 16
-# rows of queries, more partials), SIMT +-0.5%.
+# rows of queries, more partials), SIMT +-0.5%. ncu of the C = 1 step (as pass 31 call 4): the
+# tensor-core block ~2,700 instructions a warp at the default (3,507 in pass 31), ~1,700 at splitmin=32.
 set -uo pipefail
 nvidia-smi --query-gpu=name,memory.total --format=csv
 mkdir -p $OUT/E
-OUT=$OUT/E ext/gpu/bench/engine_run.sh --budget 230 --no-racecheck \
+OUT=$OUT/E ext/gpu/bench/engine_run.sh --budget 300 --no-racecheck \
   --bench-args "--prefill-rows 2048 --long-ctx 0 --steps 20 --variants splitmin=-1,splitmin=32,splitmin=16" \
-  --memcheck-tests tests/gpu/test_gpu_kernels.py --memcheck-k "attention"
+  --memcheck-tests tests/gpu/test_gpu_kernels.py --memcheck-k "attention" \
+  --ncu 1 "" "attention_mma" --ncu 1 "splitmin=32" "attention_mma"
 export PYTHONPATH=/tmp/site
 echo "== DS4_GPU_ATTN_MMA=0 (main's SIMT form), the same variants ($SECONDS s)"
 DS4_GPU_ATTN_MMA=0 timeout 90 python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --json $OUT/mma0.json \
