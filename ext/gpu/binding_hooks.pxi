@@ -22,6 +22,8 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     int64_t gpu_set_matvec_tall_min_k "ds4::gpu::testing::set_matvec_tall_min_k"(int64_t k) except +
     void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant, int stages, int width) except +
     int gpu_set_matvec_grouped_groups "ds4::gpu::testing::set_matvec_grouped_groups"(int groups) except +
+    int gpu_set_attn_heads "ds4::gpu::testing::set_attn_heads"(int heads) except +
+    int gpu_set_attn_split_min "ds4::gpu::testing::set_attn_split_min"(int keys) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
                                                                 int staged_min) except +
@@ -363,6 +365,19 @@ def _t_gpu_set_matvec_grouped_groups(int groups):
     return int(gpu_set_matvec_grouped_groups(groups))
 
 
+def _t_gpu_set_attn_heads(int heads):
+    """Heads a block of the split attention, process-wide: 1, 2 or 4, or -1 for the rule (two for one
+    or two lanes, else four). The bits never change. Returns the setting now (0: the rule)."""
+    return int(gpu_set_attn_heads(heads))
+
+
+def _t_gpu_set_attn_split_min(int keys):
+    """The fewest keys a split of the attention, process-wide: 8 to 256 in steps of 8, or -1 for the
+    default (64). It changes the bits, alike in decode and prompt steps, so every contract holds within
+    one setting. Returns the setting now."""
+    return int(gpu_set_attn_split_min(keys))
+
+
 def _t_gpu_rms_norm(X, w, float eps):
     """RMSNorm of each row of X (w None: unweighted) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -607,6 +622,8 @@ _GPU_TESTING = dict(
     gpu_set_matvec_tall_min_k=_t_gpu_set_matvec_tall_min_k,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_set_matvec_grouped_groups=_t_gpu_set_matvec_grouped_groups,
+    gpu_set_attn_heads=_t_gpu_set_attn_heads,
+    gpu_set_attn_split_min=_t_gpu_set_attn_split_min,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
     gpu_swiglu=_t_gpu_swiglu,

@@ -172,6 +172,11 @@ int64_t set_matvec_tall_min_k(int64_t k);
 void set_matvec_grouped(int variant, int stages = 0, int width = 0);
 // ds4::gpu::set_matvec_grouped_groups (matvec.cuh; -1: the default); returns the row groups now.
 int set_matvec_grouped_groups(int groups);
+// The attention's measurement settings (step_ops.h attn_heads_a_block, attn_split_min), for the
+// binding: heads a split block 1, 2 or 4 (-1: the rule; the same bits), and the fewest keys a split
+// 8..256 in steps of 8 (-1: the default, 64; changes bits). Each returns the setting now (0: the rule).
+int set_attn_heads(int heads);
+int set_attn_split_min(int keys);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
 void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
@@ -227,6 +232,8 @@ inline void set_matvec_tall_stages(int) { no_backend(); }
 inline int64_t set_matvec_tall_min_k(int64_t) { no_backend(); }
 inline void set_matvec_grouped(int, int = 0, int = 0) { no_backend(); }
 inline int set_matvec_grouped_groups(int) { no_backend(); }
+inline int set_attn_heads(int) { no_backend(); }
+inline int set_attn_split_min(int) { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
 inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }

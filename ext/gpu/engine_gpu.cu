@@ -252,10 +252,11 @@ struct GpuEngine::Impl {
   // choices; a graph of one tensor-core setting never replays under the other, whose bits differ;
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
-  // least row width; the fused mHC sites).
+  // least row width; the fused mHC sites, router, q path and compressor; the attention's heads a block
+  // and fewest keys a split, step_ops.h).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool>;
+                 bool, bool, int, int>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -1141,7 +1142,8 @@ void GpuEngine::Impl::run_graph() {
   const GraphKey key{n, n_groups, static_cast<int>(logit_lanes.size()), tall, staged_min(), matvec_settings_key(),
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
-                     hc_fused, route_fused, attn_q_fused, parallel_compressor};
+                     hc_fused, route_fused, attn_q_fused, parallel_compressor, attn_heads_setting(),
+                     attn_split_min()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

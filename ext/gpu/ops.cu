@@ -30,6 +30,7 @@
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "rowops.cuh"
+#include "step_ops.h"
 
 namespace ds4::gpu {
 
@@ -132,7 +133,7 @@ template <int HB>
 __global__ void __launch_bounds__(kAttnThreads)
     attention_sink_split_kernel(const float* __restrict__ q, const uint16_t* __restrict__ kv,
                                 const int32_t* __restrict__ key_rows, const int32_t* __restrict__ key_off, int n_head,
-                                int head_dim, float scale, int max_keys, int cap, float* __restrict__ po,
+                                int head_dim, float scale, int max_keys, int cap, int lo, float* __restrict__ po,
                                 float* __restrict__ pst) {
   ds4_grid_begin();
   extern __shared__ __align__(16) unsigned char smem[];
@@ -142,8 +143,8 @@ __global__ void __launch_bounds__(kAttnThreads)
   const int h0 = static_cast<int>(blockIdx.x) * HB, nh = min(HB, n_head - h0);
   const int j0 = key_off[li];
   const int n = min(key_off[li + 1] - j0, max_keys);  // the launcher's bound keeps shared memory safe
-  if (c >= attn_splits(n)) return;
-  const int chunk = attn_split_keys(n), first = j0 + c * chunk, nk = min(chunk, n - c * chunk);
+  if (c >= attn_splits(n, lo)) return;
+  const int chunk = attn_split_keys(n, lo), first = j0 + c * chunk, nk = min(chunk, n - c * chunk);
   for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads)
     kp[j] = kv + static_cast<int64_t>(key_rows[first + j]) * head_dim;
   const int64_t head = static_cast<int64_t>(li) * n_head + h0;
@@ -154,14 +155,14 @@ __global__ void __launch_bounds__(kAttnThreads)
 // grid (heads, lanes): the splits merged with the sink (no RoPE here).
 __global__ void __launch_bounds__(kAttnCombineThreads)
     attention_sink_combine_kernel(const int32_t* __restrict__ key_off, int n_head, int head_dim,
-                                  const float* __restrict__ sinks, int max_keys, const float* __restrict__ po,
+                                  const float* __restrict__ sinks, int max_keys, int lo, const float* __restrict__ po,
                                   const float* __restrict__ pst, float* __restrict__ out) {
   ds4_grid_begin();
   const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
   const int n = min(key_off[li + 1] - key_off[li], max_keys);
   const int64_t head = static_cast<int64_t>(li) * n_head + h;
-  attn_combine_head(po + head * kAttnMaxSplits * head_dim, pst + head * kAttnMaxSplits * 2, attn_splits(n), sinks[h],
-                    head_dim, head_dim / 2, nullptr, nullptr, out + head * head_dim);
+  attn_combine_head(po + head * kAttnMaxSplits * head_dim, pst + head * kAttnMaxSplits * 2, attn_splits(n, lo),
+                    sinks[h], head_dim, head_dim / 2, nullptr, nullptr, out + head * head_dim);
 }
 
 // --- argmax -------------------------------------------------------------------------------------
@@ -264,8 +265,8 @@ int smem_optin_limit() {
 
 template <int HB>
 void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_rows, const int32_t* key_off, int n_lanes,
-                      int n_head, int head_dim, int max_keys, int cap, int splits, float* po, float* pst, size_t smem,
-                      cudaStream_t s) {
+                      int n_head, int head_dim, int max_keys, int cap, int lo, int splits, float* po, float* pst,
+                      size_t smem, cudaStream_t s) {
   if (smem > 48 * 1024)
     DS4_GPU_CHECK(cudaFuncSetAttribute(reinterpret_cast<const void*>(&attention_sink_split_kernel<HB>),
                                        cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
@@ -273,7 +274,7 @@ void launch_attention(const float* q, const uint16_t* kv, const int32_t* key_row
   const dim3 grid(static_cast<unsigned>((n_head + HB - 1) / HB), static_cast<unsigned>(splits),
                   static_cast<unsigned>(n_lanes));
   launch(attention_sink_split_kernel<HB>, grid, kAttnThreads, smem, s, q, kv, key_rows, key_off, n_head, head_dim, scale,
-                                                                   max_keys, cap, po, pst);
+                                                                   max_keys, cap, lo, po, pst);
 }
 
 }  // namespace
@@ -328,7 +329,8 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
   if (n_lanes <= 0) return;
   const int limit = smem_optin_limit();
   const int bound = std::max(max_keys, 1);
-  const int cap = attn_split_keys(bound), splits = attn_splits(bound);
+  const int lo = attn_split_min();  // the engine's settings (step_ops.h), so tests see its rules
+  const int cap = attn_split_keys(bound, lo), splits = attn_splits(bound, lo);
   auto need = [&](int hb) { return static_cast<size_t>(cap) * (sizeof(void*) + hb * sizeof(float)); };
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   // The split partials live for this call only (the engine's paged attention has them in its scratch).
@@ -339,25 +341,23 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
   float* pst = part + o_floats;
   cudaError_t err = cudaSuccess;
   try {
-    // The head group size only changes how many heads share a block, never a head's arithmetic
-    // (the same rule as attention_paged: two heads a block for one or two lanes, else four).
-    const int want = n_lanes <= 2 ? 2 : 4;
+    const int want = attn_heads_a_block(n_lanes);
     if (want >= 4 && n_head >= 4 && need(4) <= static_cast<size_t>(limit))
-      launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+      launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
                           need(4), s);
-    else if (n_head >= 2 && need(2) <= static_cast<size_t>(limit))
-      launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+    else if (want >= 2 && n_head >= 2 && need(2) <= static_cast<size_t>(limit))
+      launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
                           need(2), s);
     else if (need(1) <= static_cast<size_t>(limit))
-      launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, splits, part, pst,
+      launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
                           need(1), s);
     else
       throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
                                   " keys per lane do not fit this device's shared memory");
     DS4_GPU_CHECK_LAUNCH("attention_sink_split_kernel");
     const dim3 grid(static_cast<unsigned>(n_head), static_cast<unsigned>(n_lanes));
-    launch(attention_sink_combine_kernel, grid, kAttnCombineThreads, 0, s, key_off, n_head, head_dim, sinks, max_keys, part,
-                                                                       pst, out);
+    launch(attention_sink_combine_kernel, grid, kAttnCombineThreads, 0, s, key_off, n_head, head_dim, sinks, max_keys,
+           lo, part, pst, out);
     DS4_GPU_CHECK_LAUNCH("attention_sink_combine_kernel");
     err = cudaStreamSynchronize(s);
   } catch (...) {

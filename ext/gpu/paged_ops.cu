@@ -38,6 +38,7 @@
 //   ring_store         grid = lanes: this step's rows into the rings, after attention (the last
 //                      128 positions of each slot). Bytes: 4 * head_dim per lane.
 #include <algorithm>
+#include <atomic>
 #include <string>
 
 #include "launch.cuh"
@@ -571,8 +572,8 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
   const int li = static_cast<int>(blockIdx.z), c = static_cast<int>(blockIdx.y);
   const int h0 = static_cast<int>(blockIdx.x) * HB, nh = min(HB, a.n_head - h0);
   const LaneKeys k = lane_keys(a, L, li);
-  if (c >= attn_splits(k.n)) return;  // the whole block: no barrier is skipped by part of it
-  const int chunk = attn_split_keys(k.n), j0 = c * chunk, nk = min(chunk, k.n - j0);
+  if (c >= attn_splits(k.n, a.split_min)) return;  // the whole block: no barrier is skipped by part of it
+  const int chunk = attn_split_keys(k.n, a.split_min), j0 = c * chunk, nk = min(chunk, k.n - j0);
   for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads) kp[j] = key_row(a, L, k, li, j0 + j);
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(a.head_dim)));
   const int64_t head = static_cast<int64_t>(li) * a.n_head + h0;
@@ -611,7 +612,7 @@ __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(
   __syncthreads();
   const int64_t head = static_cast<int64_t>(li) * a.n_head + h;
   attn_combine_head(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
-                    attn_splits(k.n), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc, rs,
+                    attn_splits(k.n, a.split_min), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc, rs,
                     a.out + head * a.head_dim);
   if (a.planes != nullptr) {  // the head's piece of its member's column
     __syncthreads();
@@ -747,6 +748,41 @@ static void prepare_attention_kernel() {
   attn_dyn_limit[HB] = dyn;
 }
 
+namespace {
+std::atomic<int> g_attn_heads{0};                  // 0: the rule
+std::atomic<int> g_attn_split_min{kAttnSplitKeys};
+}  // namespace
+
+int attn_heads_setting() { return g_attn_heads.load(std::memory_order_relaxed); }
+int attn_split_min() { return g_attn_split_min.load(std::memory_order_relaxed); }
+
+int attn_heads_a_block(int n_lanes) {
+  // The head group size only changes how many heads share a block, never a head's arithmetic. The
+  // rule: two heads a block when the step has one or two lanes (twice the blocks), else four (each key
+  // row read by a quarter of the blocks).
+  const int hb = attn_heads_setting();
+  return hb > 0 ? hb : n_lanes <= 2 ? 2 : 4;
+}
+
+namespace testing {
+
+int set_attn_heads(int heads) {
+  if (heads != -1 && heads != 1 && heads != 2 && heads != 4)
+    throw std::invalid_argument("attention heads a block: 1, 2 or 4 (-1: the rule), not " + std::to_string(heads));
+  g_attn_heads.store(heads < 0 ? 0 : heads, std::memory_order_relaxed);
+  return attn_heads_setting();
+}
+
+int set_attn_split_min(int keys) {
+  if (keys != -1 && (keys < 8 || keys > 256 || keys % 8 != 0))
+    throw std::invalid_argument("attention keys a split: 8 to 256 in steps of 8 (-1: the default), not " +
+                                std::to_string(keys));
+  g_attn_split_min.store(keys < 0 ? kAttnSplitKeys : keys, std::memory_order_relaxed);
+  return attn_split_min();
+}
+
+}  // namespace testing
+
 void attention_prepare() {
   prepare_attention_kernel<4>();
   prepare_attention_kernel<2>();
@@ -770,16 +806,14 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
   AttentionLaunch a = a_in;
   a.part_stats = a.part + static_cast<int64_t>(n) * a.n_head * kAttnMaxSplits * a.head_dim;
   const int bound = std::max(a.max_keys, 1);
-  const int cap = attn_split_keys(bound), splits = attn_splits(bound);
+  a.split_min = attn_split_min();
+  const int cap = attn_split_keys(bound, a.split_min), splits = attn_splits(bound, a.split_min);
   auto need = [&](int hb) { return attn_split_smem(cap, hb, a.head_dim, a.q_raw); };
   const cudaStream_t st = cs(s);
-  // The head group size only changes how many heads share a block, never a head's arithmetic: two
-  // heads a block when the step has one or two lanes (twice the blocks), else four (each key row
-  // read by a quarter of the blocks).
-  const int want = n <= 2 ? 2 : 4;
+  const int want = attn_heads_a_block(n);
   if (want >= 4 && a.n_head >= 4 && need(4) <= attn_dyn_limit[4])
     launch_attention<4>(a, L, n, cap, splits, need(4), st);
-  else if (a.n_head >= 2 && need(2) <= attn_dyn_limit[2])
+  else if (want >= 2 && a.n_head >= 2 && need(2) <= attn_dyn_limit[2])
     launch_attention<2>(a, L, n, cap, splits, need(2), st);
   else if (need(1) <= attn_dyn_limit[1])
     launch_attention<1>(a, L, n, cap, splits, need(1), st);

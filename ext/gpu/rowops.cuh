@@ -279,13 +279,14 @@ __device__ __forceinline__ float softplus_dev(float x) {
 }
 
 // --- split attention (flash-decoding style), shared by paged_ops.cu and ops.cu -------------------
-// A lane's n keys are cut into attn_splits(n) splits of attn_split_keys(n) keys (the last one
-// shorter): at least kAttnSplitKeys keys a split, at most kAttnMaxSplits splits; both depend on n
-// only, never on the other lanes or the launch. A block (head group, split, lane) runs
-// attn_split_block: for each of its heads the split's logits q.k * scale, their max m, l = sum
-// exp(logit - m) and O = sum exp(logit - m) k, each sum in a fixed order (O: key order). A block
-// per (head, lane) then runs attn_combine_head: M = max(sink, m_c), w_c = exp(m_c - M),
-// den = exp(sink - M) + sum_c l_c w_c and out = (sum_c w_c O_c) * (1 / den), splits in order.
+// A lane's n keys are cut into attn_splits(n, lo) splits of attn_split_keys(n, lo) keys (the last
+// one shorter): at least lo keys a split (kAttnSplitKeys unless the measurement setting
+// set_attn_split_min says otherwise: step_ops.h), at most kAttnMaxSplits splits; both depend on n and
+// lo only, never on the other lanes or the launch, and decode and prompt steps take the same lo.
+// A block (head group, split, lane) runs attn_split_block: for each of its heads the split's logits
+// q.k * scale, their max m, l = sum exp(logit - m) and O = sum exp(logit - m) k, each sum in a fixed
+// order (O: key order). A block per (head, lane) then runs attn_combine_head: M = max(sink, m_c),
+// w_c = exp(m_c - M), den = exp(sink - M) + sum_c l_c w_c and out = (sum_c w_c O_c) * (1 / den), splits in order.
 // So a lane's result is the same bits alone or beside any others, whatever the head group size,
 // and differs from a one-pass softmax only in rounding (the CPU's order is not this one either).
 // Partials: O [lane][head][kAttnMaxSplits][head_dim], then stats [lane][head][kAttnMaxSplits][2].
@@ -293,17 +294,20 @@ __device__ __forceinline__ float softplus_dev(float x) {
 constexpr int kAttnThreads = 256;
 constexpr int kAttnWarps = kAttnThreads / DS4_WARP;
 constexpr int kAttnMaxDim = 512;  // head_dim limit: 2 chunks of 8 per lane, 1 element pair per thread
-constexpr int kAttnSplitKeys = 64;
+constexpr int kAttnSplitKeys = 64;  // the fewest keys a split by default
 constexpr int kAttnMaxSplits = 8;
 constexpr int kAttnCombineThreads = 128;
 constexpr int kAttnMaxRopeHalf = 256;
 
-// Keys per split of a lane with n keys (n >= 1), and its number of splits (0 for no keys).
-DS4_HD int attn_split_keys(int n) {
+// Keys per split of a lane with n keys (n >= 1) and at least lo keys a split, and its number of
+// splits (0 for no keys).
+DS4_HD int attn_split_keys(int n, int lo) {
   const int c = (n + kAttnMaxSplits - 1) / kAttnMaxSplits;
-  return c > kAttnSplitKeys ? c : kAttnSplitKeys;
+  return c > lo ? c : lo;
 }
-DS4_HD int attn_splits(int n) { return n <= 0 ? 0 : (n + attn_split_keys(n) - 1) / attn_split_keys(n); }
+DS4_HD int attn_splits(int n, int lo) {
+  return n <= 0 ? 0 : (n + attn_split_keys(n, lo) - 1) / attn_split_keys(n, lo);
+}
 
 __device__ __forceinline__ void load_f16x8(const uint16_t* p, float f[8]) {
   const uint4 v = ds4_ldg(reinterpret_cast<const uint4*>(p));

@@ -199,10 +199,19 @@ struct AttentionLaunch {
   // bits q_heads would give them, one launch fewer (pass 18). q itself is left as it is.
   bool q_raw = false;
   float q_eps = 0.0f;
+  int split_min = 0;  // the fewest keys a split (rowops.cuh attn_split_keys): set by attention_paged
 };
 // Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
 // key count only), then a second kernel merges the splits per (lane, head) in a fixed order.
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s);
+// Measurement settings of the attention's launch (process-wide: testing::set_attn_heads and
+// set_attn_split_min, ds4_gpu.h; the engine keys its graphs by both).
+// - Heads a split block: 0 the rule (two for one or two lanes, else four), else 1, 2 or 4. The same bits.
+// - The fewest keys a split: kAttnSplitKeys (64) by default, 8..256 in steps of 8. It changes the
+//   bits, the same way in decode and prompt steps, so each contract holds within one setting.
+int attn_heads_setting();
+int attn_heads_a_block(int n_lanes);  // what a launch of n_lanes lanes asks for
+int attn_split_min();
 // Floats of AttentionLaunch::part for n_lanes lanes (the split partials and their max / sum).
 int64_t attention_part_floats(int n_lanes, int n_head, int head_dim);
 // Before attention_paged (engines call it at construction): lets its kernels use the device's

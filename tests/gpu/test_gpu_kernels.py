@@ -356,6 +356,70 @@ def test_attention_lane_bits_do_not_depend_on_its_neighbours() -> None:
 
 
 @pytest.mark.gpu
+def test_attention_split_min_keeps_the_contracts() -> None:
+    """The fewest keys a split, a measurement setting (8..256 in steps of 8): at 8, 16, 32 and 128 each
+    lane stays within 2e-3 of float64 and the same bits alone as beside others. 16 keys a split changes
+    the bits of lanes the default splits otherwise, -1 gives the default's back, and a count that is not
+    a multiple of 8 in range is refused."""
+    rng = np.random.default_rng()
+    n_head, head_dim, rows = 8, 512, 3000
+    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
+    counts = [1, 9, 40, 130, 300, 700, 2500]
+    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
+    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    got = {}
+    try:
+        for keys in (-1, 8, 16, 32, 128, -1):
+            assert T.gpu_set_attn_split_min(keys) == (64 if keys < 0 else keys)
+            together = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
+            for i, c in enumerate(counts):
+                own = key_rows[key_off[i] : key_off[i + 1]]
+                ref, size = attention_reference(q[i], kv, own, sinks)
+                assert np.abs(together[i] - ref).max() <= 2e-3 * size, (keys, c)
+                alone = T.gpu_attention_sink(q[i : i + 1], kv, own, np.array([0, c], np.int32), sinks)
+                assert np.array_equal(alone[0].view(np.uint32), together[i].view(np.uint32)), (keys, c)
+            if keys in got:
+                assert np.array_equal(got[keys].view(np.uint32), together.view(np.uint32)), "-1 is the default"
+            got[keys] = together
+        # 40 and 130 keys: one and three splits of 64 against three and eight of 16 and 17
+        for i in (2, 3):
+            assert not np.array_equal(got[-1][i].view(np.uint32), got[16][i].view(np.uint32)), counts[i]
+        for bad in (0, 4, 12, 264):
+            with pytest.raises(ValueError, match="keys a split"):
+                T.gpu_set_attn_split_min(bad)
+    finally:
+        T.gpu_set_attn_split_min(-1)
+
+
+@pytest.mark.gpu
+def test_attention_heads_a_block_change_no_bits() -> None:
+    """One, two and four heads a split block and the rule, at one lane and at three: the same bits."""
+    rng = np.random.default_rng()
+    n_head, head_dim, rows = 8, 512, 3000
+    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
+    counts = [700, 3, 130]
+    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
+    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    out = {}
+    try:
+        for heads in (-1, 1, 2, 4):
+            assert T.gpu_set_attn_heads(heads) == max(heads, 0)
+            one = T.gpu_attention_sink(q[:1], kv, key_rows[: counts[0]], key_off[:2], sinks)
+            out[heads] = (one, T.gpu_attention_sink(q, kv, key_rows, key_off, sinks))
+        for heads in (1, 2, 4):
+            for a, b in zip(out[-1], out[heads]):
+                assert np.array_equal(a.view(np.uint32), b.view(np.uint32)), heads
+        with pytest.raises(ValueError, match="heads a block"):
+            T.gpu_set_attn_heads(3)
+    finally:
+        T.gpu_set_attn_heads(-1)
+
+
+@pytest.mark.gpu
 def test_argmax_takes_the_first_maximum() -> None:
     rng = np.random.default_rng()
     x = rng.standard_normal((3, 129280)).astype(np.float32)

@@ -13,6 +13,12 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_tall_min_k(k) -> k``: the fewest elements a row the tall variant takes
   (DS4_GPU_MV_TALL_MIN_K; default 2048, 0 any, -1 back to the default); narrower matrices take the
   direct kernel.
+- ``gpu_set_attn_heads(n) -> n``: the split attention's heads a block (1, 2 or 4; -1 the rule, which
+  returns 0).
+
+One measurement setting here does change bits: ``gpu_set_attn_split_min(keys) -> keys``, the
+attention's fewest keys a split (8..256 in steps of 8, -1 the default 64). Decode and prompt steps
+take it alike, so the engine's bits must change with it, and its graphs must follow it.
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
@@ -51,6 +57,8 @@ def restore_pdl():
     T.gpu_set_matvec_tall_stages(1)
     T.gpu_set_matvec_mma(False)
     T.gpu_set_matvec_tall_min_k(-1)
+    T.gpu_set_attn_heads(-1)
+    T.gpu_set_attn_split_min(-1)
 
 
 def set_persistent(on: bool) -> bool:
@@ -68,8 +76,14 @@ def set_tall_min_k(on: bool) -> bool:
     return True
 
 
+def set_attn_heads(on: bool) -> bool:
+    """One head a block against the rule (two at one or two lanes, four beyond)."""
+    assert T.gpu_set_attn_heads(1 if on else -1) == (1 if on else 0)
+    return True
+
+
 SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages,
-            "tallk": set_tall_min_k}
+            "tallk": set_tall_min_k, "attnheads": set_attn_heads}
 
 
 def cases(mf) -> list[list[Seq]]:
@@ -192,3 +206,32 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
         for k, (a, b) in enumerate(zip(off, on)):
             assert np.isfinite(a).all()
             assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
+
+
+def test_engine_attention_split_min_changes_bits_and_the_graph_key(tiny_model_file, restore_pdl) -> None:  # noqa: F811
+    """The tiny model's lanes have up to ~45 keys a layer: one split at the default 64, up to six at 8.
+    The logits must differ between the two (a setting that silently did nothing fails), and under each
+    setting graphs must give eager's bits (a graph captured under the other setting would not)."""
+    mf = tiny_model_file
+    eng = gpu_engine(mf)
+    out = {}
+    for keys in (-1, 8, -1):
+        assert T.gpu_set_attn_split_min(keys) == (64 if keys < 0 else keys)
+        for graphs in (False, True):
+            eng.use_graphs = graphs
+            got = []
+            for seqs in cases(mf):
+                for s in seqs:
+                    eng.reset_slot(s.slot)
+                got.append(run(eng, seqs))
+            out.setdefault((keys, graphs), got)
+            for case, (a, b) in enumerate(zip(out[(keys, graphs)], got)):
+                for k, (x, y) in enumerate(zip(a, b)):
+                    assert np.array_equal(bits(x), bits(y)), f"split min {keys}, graphs {graphs}: case {case}, {k}"
+        for case, (a, b) in enumerate(zip(out[(keys, False)], out[(keys, True)])):
+            for k, (x, y) in enumerate(zip(a, b)):
+                assert np.isfinite(x).all()
+                assert np.array_equal(bits(x), bits(y)), f"split min {keys}: graphs against eager, case {case}, {k}"
+    changed = [not np.array_equal(bits(x), bits(y))
+               for a, b in zip(out[(-1, False)], out[(8, False)]) for x, y in zip(a, b)]
+    assert any(changed), "8 keys a split gave the default's bits"

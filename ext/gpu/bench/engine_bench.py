@@ -49,11 +49,12 @@ includes the plan upload, every kernel and the logits download). Method:
   staged kernel from, `hcfused=0/1` each mHC site (the post before it, its projection, its pre)
   fused into two launches, `routefused=0/1` the router's product, the route and the parts in one
   launch, `attnq=0/1` q's per-head norm and RoPE inside the attention's split kernel,
-  `comppar=0/1` the compressors' parallel path on prompt steps; joined
-  by ':', variants by ','; what a variant does not name is at its default): prefill
-  and decode interleave the variants for each size, and the exactness check compares every
-  variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8` and
-  `hcfused`);
+  `comppar=0/1` the compressors' parallel path on prompt steps, `attnheads=N` the attention's heads
+  a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
+  -1 the default, 64); joined by ':', variants by ','; what a variant does not name is at its
+  default): prefill and decode interleave the variants for each size, and the exactness check
+  compares every variant's logits with the first one's, bit for bit (expected equal for all but
+  `mma`, `int8`, `hcfused` and `splitmin`);
   the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
@@ -212,7 +213,8 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
-                   "hcfused": True, "routefused": True, "attnq": True, "comppar": True}
+                   "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
+                   "splitmin": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -221,7 +223,8 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         key, _, value = item.partition("=")
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
-        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin"):
+        if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
+                   "attnheads", "splitmin"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -248,6 +251,8 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     runner._impl.use_route_fused = want["routefused"]
     runner._impl.use_attn_q_fused = want["attnq"]
     runner._impl.use_parallel_compressor = want["comppar"]
+    _native._testing.gpu_set_attn_heads(want["attnheads"])
+    _native._testing.gpu_set_attn_split_min(want["splitmin"])
 
 
 class Runs:
