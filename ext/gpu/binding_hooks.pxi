@@ -70,6 +70,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
+    int gpu_set_matvec_imma_indep "ds4::gpu::testing::set_matvec_imma_indep"(int on) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -292,6 +293,13 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     Returns (min_rows, ahead, persist) now."""
     v = int(gpu_set_matvec_imma_narrow(min_rows, ahead, persist))
     return v // 4, bool(v & 1), bool(v & 2)
+
+
+def _t_gpu_set_matvec_imma_indep(int on):
+    """Whether the prompt tiles (the wide Q8_0 tile, the grouped Q4_K kernel) take a unit's three MMAs
+    independent of each other (1) or the second chained on the first (0 or -1: the default),
+    process-wide. The bits never depend on it. Returns whether it is on now."""
+    return bool(gpu_set_matvec_imma_indep(on))
 
 
 IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order
@@ -634,6 +642,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_imma=_t_gpu_set_matvec_imma,
     gpu_set_matvec_imma_grouped=_t_gpu_set_matvec_imma_grouped,
     gpu_set_matvec_imma_narrow=_t_gpu_set_matvec_imma_narrow,
+    gpu_set_matvec_imma_indep=_t_gpu_set_matvec_imma_indep,
     gpu_imma_launches=_t_gpu_imma_launches,
     gpu_set_planes_fused=_t_gpu_set_planes_fused,
     gpu_planes_prep_launches=_t_gpu_planes_prep_launches,

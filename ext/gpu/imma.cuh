@@ -60,6 +60,30 @@ __device__ __forceinline__ void mma_s8_k16(int (&d)[4], uint32_t a0, uint32_t a1
 #endif
 }
 
+// A unit's integer sums against its planes (xplanes.cuh), from the A fragments a and each plane's B
+// operands b[pl][0..1]: tt = 2^8 (A p1) + A p0 and s2 = A p2, exact in 32 bits (|tt| < 2^28). INDEP
+// false: the second MMA takes the first's result, scaled, as its C (an MMA waits on an MMA); true: three
+// MMAs from zero, then one integer multiply-add (pass 34). The same integers either way.
+template <bool INDEP>
+__device__ __forceinline__ void plane_sums(int (&tt)[4], int (&s2)[4], const uint32_t (&a)[4],
+                                           const uint32_t (&b)[3][2]) {
+  const int zero4[4] = {0, 0, 0, 0};
+  int s1[4];
+  mma_s8_k32(s1, a, b[1][0], b[1][1], zero4);
+  if constexpr (INDEP) {
+    int t0[4];
+    mma_s8_k32(t0, a, b[0][0], b[0][1], zero4);
+    mma_s8_k32(s2, a, b[2][0], b[2][1], zero4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e) tt[e] = s1[e] * 256 + t0[e];
+  } else {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) s1[e] *= 256;
+    mma_s8_k32(tt, a, b[0][0], b[0][1], s1);
+    mma_s8_k32(s2, a, b[2][0], b[2][1], zero4);
+  }
+}
+
 // float(v) for |v| < 2^22, exactly (what static_cast gives): 1.5 2^23 + v has v in its low bits.
 __device__ __forceinline__ float small_int_to_float(int v) {
   return __fsub_rn(ds4_bits_to_float(static_cast<uint32_t>(0x4B400000 + v)), 12582912.0f);

@@ -73,7 +73,8 @@ static_assert(kGqCols == kMaxPartCols, "one n-tile holds a whole part");
 // BULK: each stage's weight rows and plane runs by the bulk copy engine (one instruction a row or a
 // column's run, imma.cuh bulk_copy_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else by cp.async (copy_runs:
 // one a 16-byte vector). The same bytes in the same places.
-template <bool BULK>
+// INDEP: a sub-block's three MMAs independent of each other (imma.cuh plane_sums; the same integers).
+template <bool BULK, bool INDEP = false>
 __global__ void __launch_bounds__(kGqThreads)
     imma_q4k_grouped_kernel(const uint8_t* __restrict__ W, int64_t expert_bytes, int64_t row_bytes, int rows,
                             int units, int ks, const ExpertPartDev* __restrict__ parts,
@@ -184,13 +185,8 @@ __global__ void __launch_bounds__(kGqThreads)
           const float2 f = reinterpret_cast<const float2*>(scales + row * kGqScalePitch + 4 * k + cpos)[h];
           dl[rr] = f.x, ml[rr] = f.y;
         }
-        const int zero4[4] = {0, 0, 0, 0};
-        int s1[4], tt[4], s2[4];
-        mma_s8_k32(s1, av, b[1][0], b[1][1], zero4);
-  #pragma unroll
-        for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8_k32(tt, av, b[0][0], b[0][1], s1);
-        mma_s8_k32(s2, av, b[2][0], b[2][1], zero4);
+        int tt[4], s2[4];
+        plane_sums<INDEP>(tt, s2, av, b);
   #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const int rr = e >> 1, j = e & 1;
@@ -306,10 +302,11 @@ bool imma_q4k_takes(const TensorView& W, int64_t n_pairs) {
 bool imma_q4k_prepare() {
 #if defined(DS4_IMMA)
   static const bool ready = [] {
-    const bool ok = cudaFuncSetAttribute(imma_q4k_grouped_kernel<false>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kGqSmem) == cudaSuccess &&
-                    cudaFuncSetAttribute(imma_q4k_grouped_kernel<true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                         kGqSmem) == cudaSuccess;
+    auto smem = [](auto kernel) {
+      return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGqSmem) == cudaSuccess;
+    };
+    const bool ok = smem(imma_q4k_grouped_kernel<false>) && smem(imma_q4k_grouped_kernel<true>) &&
+                    smem(imma_q4k_grouped_kernel<false, true>) && smem(imma_q4k_grouped_kernel<true, true>);
     (void)cudaGetLastError();
     return ok;
   }();
@@ -333,8 +330,10 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
   const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-  const bool bulk = matvec_imma_bulk();
-  launch(bulk ? imma_q4k_grouped_kernel<true> : imma_q4k_grouped_kernel<false>, grid, kGqThreads, kGqSmem, stream,
+  const bool bulk = matvec_imma_bulk(), indep = matvec_imma_indep();
+  auto* kernel = bulk ? (indep ? imma_q4k_grouped_kernel<true, true> : imma_q4k_grouped_kernel<true>)
+                      : (indep ? imma_q4k_grouped_kernel<false, true> : imma_q4k_grouped_kernel<false>);
+  launch(kernel, grid, kGqThreads, kGqSmem, stream,
          W.data, W.row_bytes() * rows, W.row_bytes(), static_cast<int>(rows), static_cast<int>(units), ks,
          static_cast<const ExpertPartDev*>(parts), n_parts, sorted_pairs, x_row, planes, ldp, Y, ldy);
   DS4_GPU_CHECK_LAUNCH("imma_q4k_grouped_kernel");

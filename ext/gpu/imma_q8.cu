@@ -67,6 +67,7 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
+std::atomic<int> g_imma_indep{0};         // the prompt tiles' MMAs independent of each other
 std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -119,7 +120,8 @@ struct ImmaB {
 // bits; the narrow tile only (NT = 1: 16 registers).
 // BULK: the weights by the bulk copy engine (imma.cuh bulk_rows; sm_90, DS4_GPU_MV_IMMA_BULK), else
 // by cp.async (copy_runs). The same bytes in the same places, so the same bits.
-template <int MT, int NT, bool AHEAD, bool BULK>
+// INDEP: a unit's three MMAs independent of each other (imma.cuh plane_sums; the same integers).
+template <int MT, int NT, bool AHEAD, bool BULK, bool INDEP = false>
 __global__ void __launch_bounds__(kImmaThreads, 1)
     imma_q8_kernel(const uint8_t* __restrict__ W, int64_t row_bytes, int64_t rows, int64_t units, int ks,
                    const uint8_t* __restrict__ P, int64_t ldp, int ncols, float* __restrict__ Y, int64_t ldy,
@@ -231,15 +233,11 @@ __global__ void __launch_bounds__(kImmaThreads, 1)
       } else {
         load_b(u, nt, bn);
       }
+      const uint32_t b[3][2] = {{bn.b0.x, bn.b0.y}, {bn.b1.x, bn.b1.y}, {bn.b2.x, bn.b2.y}};
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        const int zero4[4] = {0, 0, 0, 0};
-        int s1[4], tt[4], s2[4];
-        mma_s8_k32(s1, A[mt], bn.b1.x, bn.b1.y, zero4);
-#pragma unroll
-        for (int e = 0; e < 4; ++e) s1[e] *= 256;
-        mma_s8_k32(tt, A[mt], bn.b0.x, bn.b0.y, s1);
-        mma_s8_k32(s2, A[mt], bn.b2.x, bn.b2.y, zero4);
+        int tt[4], s2[4];
+        plane_sums<INDEP>(tt, s2, A[mt], b);
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           const float f = fmaf(small_int_to_float(s2[e]), 65536.0f, static_cast<float>(tt[e]));
@@ -397,6 +395,13 @@ int matvec_imma_narrow_rows() {
 bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEAD"); }
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
+
+void set_matvec_imma_indep(int on) {
+  if (on < -1 || on > 1) throw std::invalid_argument("set_matvec_imma_indep: on must be 0, 1 or -1");
+  g_imma_indep.store(on == 1 ? 1 : 0, std::memory_order_relaxed);
+}
+
+bool matvec_imma_indep() { return g_imma_indep.load(std::memory_order_relaxed) == 1; }
 // DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles and the grouped Q4_K kernel copy by cp.async (read once a
 // process; the same bits either way, so not part of the graph key).
 bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
@@ -412,6 +417,7 @@ bool imma_prepare() {
     auto both = [&](auto bulk) {
       constexpr bool B = decltype(bulk)::value;
       return smem(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>::kSmem) &&
+             smem(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>::kSmem) &&
              smem(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>::kSmem) &&
              smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem);
     };
@@ -438,6 +444,10 @@ int set_matvec_imma_grouped(int min_pairs_per_expert) {
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
+}
+int set_matvec_imma_indep(int on) {
+  ds4::gpu::set_matvec_imma_indep(on);
+  return matvec_imma_indep() ? 1 : 0;
 }
 int64_t imma_launches(int path) {
   if (path < -1 || path >= kImmaPaths)
@@ -480,7 +490,9 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   };
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
-    if (ncols > 8) {
+    if (ncols > 8 && matvec_imma_indep()) {
+      go(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>{});
+    } else if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
     } else if (matvec_imma_ahead()) {
       go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});

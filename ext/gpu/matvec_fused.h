@@ -193,6 +193,8 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // set_matvec_imma_narrow(min_rows, ahead, persist) (imma.h: -1 the default); returns
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
+// set_matvec_imma_indep(on) (imma.h: 1 on, 0 or -1 off); returns matvec_imma_indep() after it.
+int set_matvec_imma_indep(int on);
 // Launches of the integer tensor-core kernels so far in this process (a test's proof that they ran):
 // path -1 all of them, else those on one ImmaPath (imma.h).
 int64_t imma_launches(int path);
@@ -217,6 +219,7 @@ inline bool set_planes_fused(bool) { no_backend(); }
 inline int set_matvec_imma(int) { no_backend(); }
 inline int set_matvec_imma_grouped(int) { no_backend(); }
 inline int set_matvec_imma_narrow(int, int, int) { no_backend(); }
+inline int set_matvec_imma_indep(int) { no_backend(); }
 inline int64_t imma_launches(int) { no_backend(); }
 inline int64_t planes_prep_launches() { no_backend(); }
 }  // namespace testing

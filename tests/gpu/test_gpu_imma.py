@@ -38,6 +38,7 @@ def imma():
     T.gpu_set_matvec_imma(-1)
     T.gpu_set_matvec_imma_grouped(-1)
     T.gpu_set_matvec_imma_narrow(-1, -1, -1)
+    T.gpu_set_matvec_imma_indep(-1)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
@@ -92,12 +93,15 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     imma(0)
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
     for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
-        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not.
-        for ahead, persist in ((1, 1), (0, 1), (1, 0)) if width <= 8 else ((1, 1),):
+        # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not;
+        # the wide tile with a unit's MMAs chained and independent.
+        for ahead, persist, indep in ((1, 1, 0), (0, 1, 0), (1, 0, 0)) if width <= 8 else ((1, 1, 0), (1, 1, 1)):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
+            assert T.gpu_set_matvec_imma_indep(indep) == bool(indep)
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
-            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist)
+            assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist, indep)
+        T.gpu_set_matvec_imma_indep(-1)
     # A narrow call lower than the narrow tile's row threshold stays on the SIMT kernels.
     T.gpu_set_matvec_imma_narrow(ne1 + 1, 1, 1)
     got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:8]))
@@ -232,14 +236,16 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
     x[2, 100] = np.inf
     pe = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
     xr = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
-    for max_part in (8, 3):
+    for max_part, indep in ((8, 0), (3, 0), (8, 1), (3, 1)):  # a sub-block's MMAs chained, then independent
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
+        T.gpu_set_matvec_imma_indep(indep)
         before = T.gpu_imma_launches("q4k_bulk")
         got = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
+        T.gpu_set_matvec_imma_indep(-1)
         assert T.gpu_imma_launches("q4k_bulk") - before == 1
-        assert same_bits(got, want), max_part
+        assert same_bits(got, want), (max_part, indep)
     expert_bytes = ne0 // 256 * 144 * ne1
     imma(0)
     for p in (0, 5, 7, len(pe) - 1):
@@ -305,18 +311,20 @@ def assert_same_logits(out: dict) -> None:
 def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     """The tiny preset's prompts packed 40 and 30 rows a step: the same logits with the tensor cores
     taking every Q8_0 product of 4 or more columns and every grouped Q4_K product of one pair per
-    expert or more, and with them off, eager and under graphs (the thresholds are part of the graph
-    key)."""
+    expert or more (a unit's MMAs chained, and independent), and with them off, eager and under graphs
+    (the thresholds and the MMAs' form are part of the graph key)."""
     from tests.engine_cases import Seq, prompt
 
-    def setting(threshold: int):
-        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0))
+    def setting(threshold: int, indep: int = 0):
+        return lambda: (imma(threshold), T.gpu_set_matvec_imma_grouped(1 if threshold else 0),
+                        T.gpu_set_matvec_imma_indep(indep))
 
     out = engine_runs(tmp_path, 11, 80,
                       lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
                                   Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
-                      {0: setting(0), 4: setting(4)})
+                      {0: setting(0), 4: setting(4), "indep": setting(4, 1)})
     assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
+    assert out[False, "indep"][1] > 0 and out[True, "indep"][1] > 0
     assert_same_logits(out)
 
 

@@ -51,7 +51,8 @@ includes the plan upload, every kernel and the logits download). Method:
   launch, `attnq=0/1` q's per-head norm and RoPE inside the attention's split kernel,
   `comppar=0/1` the compressors' parallel path on prompt steps, `attnheads=N` the attention's heads
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
-  -1 the default, 64); joined by ':', variants by ','; what a variant does not name is at its
+  -1 the default, 64), `immaindep=0/1` the prompt tiles' three MMAs a unit independent of each other;
+  joined by ':', variants by ','; what a variant does not name is at its
   default): prefill and decode interleave the variants for each size, and the exactness check
   compares every variant's logits with the first one's, bit for bit (expected equal for all but
   `mma`, `int8`, `hcfused` and `splitmin`);
@@ -214,7 +215,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
                    "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
-                   "splitmin": -1}
+                   "splitmin": -1, "immaindep": 0}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -226,7 +227,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
                    "attnheads", "splitmin"):
             want[key] = int(value)
-        elif key in ("immaahead", "immapersist"):
+        elif key in ("immaahead", "immapersist", "immaindep"):
             want[key] = int(value != "0")
         else:
             want[key] = value != "0"
@@ -253,6 +254,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     runner._impl.use_parallel_compressor = want["comppar"]
     _native._testing.gpu_set_attn_heads(want["attnheads"])
     _native._testing.gpu_set_attn_split_min(want["splitmin"])
+    _native._testing.gpu_set_matvec_imma_indep(want["immaindep"])
 
 
 class Runs:
