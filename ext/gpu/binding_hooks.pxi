@@ -70,7 +70,7 @@ cdef extern from "../gpu/matvec_fused.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_imma_grouped "ds4::gpu::testing::set_matvec_imma_grouped"(int min_pairs) except +
     int gpu_set_matvec_imma_narrow "ds4::gpu::testing::set_matvec_imma_narrow"(int min_rows, int ahead,
                                                                                int persist) except +
-    int gpu_set_matvec_imma_indep "ds4::gpu::testing::set_matvec_imma_indep"(int on) except +
+    int gpu_set_matvec_imma_indep "ds4::gpu::testing::set_matvec_imma_indep"(int mask) except +
     int64_t gpu_imma_launches "ds4::gpu::testing::imma_launches"(int path) except +
     cbool gpu_set_planes_fused "ds4::gpu::testing::set_planes_fused"(cbool on) except +
     int64_t gpu_planes_prep_launches "ds4::gpu::testing::planes_prep_launches"() except +
@@ -295,11 +295,11 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
     return v // 4, bool(v & 1), bool(v & 2)
 
 
-def _t_gpu_set_matvec_imma_indep(int on):
-    """Whether the prompt tiles (the wide Q8_0 tile, the grouped Q4_K kernel) take a unit's three MMAs
-    independent of each other (1) or the second chained on the first (0 or -1: the default),
-    process-wide. The bits never depend on it. Returns whether it is on now."""
-    return bool(gpu_set_matvec_imma_indep(on))
+def _t_gpu_set_matvec_imma_indep(int mask):
+    """Which prompt tiles take a unit's three MMAs independent of each other instead of the second
+    chained on the first, process-wide: a mask, 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel (-1:
+    the default, none). The bits never depend on it. Returns the mask now."""
+    return int(gpu_set_matvec_imma_indep(mask))
 
 
 IMMA_PATHS = ("q8_cp_async", "q8_bulk", "q4k_cp_async", "q4k_bulk")  # imma.h ImmaPath, in order

@@ -256,7 +256,7 @@ struct GpuEngine::Impl {
   // and fewest keys a split, step_ops.h; the prompt tiles' independent MMAs, imma.h).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool, int, int, bool>;
+                 bool, bool, int, int, int>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 

@@ -43,11 +43,12 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// Whether the prompt tiles (the wide Q8_0 tile, the grouped Q4_K kernel) take a unit's three MMAs
-// independent of each other (imma.cuh plane_sums; pass 34, a measurement setting): 1 on, 0 or -1 off
-// (the default). The same bits either way; graph key.
-void set_matvec_imma_indep(int on);
-bool matvec_imma_indep();
+// Which prompt tiles take a unit's three MMAs independent of each other (imma.cuh plane_sums; pass 34,
+// a measurement setting), a mask: kImmaIndepQ8 the wide Q8_0 tile, kImmaIndepQ4k the grouped Q4_K
+// kernel; -1 the default (none). The same bits either way; graph key.
+constexpr int kImmaIndepQ8 = 1, kImmaIndepQ4k = 2;
+void set_matvec_imma_indep(int mask);
+int matvec_imma_indep();
 
 // The paths a tensor-core launch takes (the same bits on each; testing::imma_launches counts them):
 // the Q8_0 tiles' and the grouped Q4_K kernel's cp.async or bulk-copy instantiation

@@ -330,7 +330,7 @@ bool imma_q4k_grouped(const TensorView& W, int64_t units, const void* parts, con
   const int64_t row_blocks = (rows + kGqRows - 1) / kGqRows;
   const int64_t part_blocks = std::min<int64_t>(max_parts, std::max<int64_t>(1, 8 * device_sms() / row_blocks));
   const dim3 grid(static_cast<unsigned>(row_blocks), static_cast<unsigned>(part_blocks));
-  const bool bulk = matvec_imma_bulk(), indep = matvec_imma_indep();
+  const bool bulk = matvec_imma_bulk(), indep = (matvec_imma_indep() & kImmaIndepQ4k) != 0;
   auto* kernel = bulk ? (indep ? imma_q4k_grouped_kernel<true, true> : imma_q4k_grouped_kernel<true>)
                       : (indep ? imma_q4k_grouped_kernel<false, true> : imma_q4k_grouped_kernel<false>);
   launch(kernel, grid, kGqThreads, kGqSmem, stream,

@@ -396,12 +396,14 @@ bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEA
 
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
 
-void set_matvec_imma_indep(int on) {
-  if (on < -1 || on > 1) throw std::invalid_argument("set_matvec_imma_indep: on must be 0, 1 or -1");
-  g_imma_indep.store(on == 1 ? 1 : 0, std::memory_order_relaxed);
+void set_matvec_imma_indep(int mask) {
+  if (mask < -1 || mask > (kImmaIndepQ8 | kImmaIndepQ4k))
+    throw std::invalid_argument("set_matvec_imma_indep: mask must be 0..3 (1 the wide Q8_0 tile, 2 the grouped Q4_K "
+                                "kernel) or -1");
+  g_imma_indep.store(mask < 0 ? 0 : mask, std::memory_order_relaxed);
 }
 
-bool matvec_imma_indep() { return g_imma_indep.load(std::memory_order_relaxed) == 1; }
+int matvec_imma_indep() { return g_imma_indep.load(std::memory_order_relaxed); }
 // DS4_GPU_MV_IMMA_BULK=0: the Q8_0 tiles and the grouped Q4_K kernel copy by cp.async (read once a
 // process; the same bits either way, so not part of the graph key).
 bool matvec_imma_bulk() { return env_switch(g_imma_bulk, "DS4_GPU_MV_IMMA_BULK"); }
@@ -445,9 +447,9 @@ int set_matvec_imma_narrow(int min_rows, int ahead, int persist) {
   ds4::gpu::set_matvec_imma_narrow(min_rows, ahead, persist);
   return matvec_imma_narrow_rows() * 4 + (matvec_imma_persist() ? 2 : 0) + (matvec_imma_ahead() ? 1 : 0);
 }
-int set_matvec_imma_indep(int on) {
-  ds4::gpu::set_matvec_imma_indep(on);
-  return matvec_imma_indep() ? 1 : 0;
+int set_matvec_imma_indep(int mask) {
+  ds4::gpu::set_matvec_imma_indep(mask);
+  return matvec_imma_indep();
 }
 int64_t imma_launches(int path) {
   if (path < -1 || path >= kImmaPaths)
@@ -490,7 +492,7 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   };
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
-    if (ncols > 8 && matvec_imma_indep()) {
+    if (ncols > 8 && (matvec_imma_indep() & kImmaIndepQ8) != 0) {
       go(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>{});
     } else if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});

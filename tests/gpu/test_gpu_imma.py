@@ -97,7 +97,7 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
         # the wide tile with a unit's MMAs chained and independent.
         for ahead, persist, indep in ((1, 1, 0), (0, 1, 0), (1, 0, 0)) if width <= 8 else ((1, 1, 0), (1, 1, 1)):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
-            assert T.gpu_set_matvec_imma_indep(indep) == bool(indep)
+            assert T.gpu_set_matvec_imma_indep(indep) == indep
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))
             assert launches == 1, width
             assert np.array_equal(got.view(np.uint32), want[:width].view(np.uint32)), (width, ahead, persist, indep)
@@ -236,7 +236,7 @@ def test_grouped_q4k_on_tensor_cores_equals_simt(imma, ne0: int, ne1: int, n_exp
     x[2, 100] = np.inf
     pe = rng.integers(0, n_expert, n_lanes * 3).astype(np.int32)
     xr = np.repeat(np.arange(n_lanes, dtype=np.int32), 3)
-    for max_part, indep in ((8, 0), (3, 0), (8, 1), (3, 1)):  # a sub-block's MMAs chained, then independent
+    for max_part, indep in ((8, 0), (3, 0), (8, 2), (3, 2)):  # a sub-block's MMAs chained, then independent
         T.gpu_set_matvec_imma_grouped(0)
         want = T.gpu_matmul_grouped(Q4_K, raw, ne0, ne1, n_expert, x, pe, xr, max_part)
         T.gpu_set_matvec_imma_grouped(1)
@@ -322,7 +322,7 @@ def test_engine_prefill_on_tensor_cores_equals_simt(imma, tmp_path) -> None:
     out = engine_runs(tmp_path, 11, 80,
                       lambda mf: [Seq(prompt(mf, 5, 90), slot=0, pages=[1, 3], rows=40),
                                   Seq(prompt(mf, 6, 70), slot=1, pages=[4, 6], rows=30)],
-                      {0: setting(0), 4: setting(4), "indep": setting(4, 1)})
+                      {0: setting(0), 4: setting(4), "indep": setting(4, 3)})
     assert out[False, 4][1] > 0 and out[False, 0][1] == 0 and out[True, 0][1] == 0
     assert out[False, "indep"][1] > 0 and out[True, "indep"][1] > 0
     assert_same_logits(out)

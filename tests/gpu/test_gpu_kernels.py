@@ -307,6 +307,18 @@ def attention_reference(q: np.ndarray, kv: np.ndarray, rows: np.ndarray, sinks: 
     return p @ k, max(1.0, np.abs(p @ np.abs(k)).max())
 
 
+def attention_case(counts: list[int], n_head: int = 8, head_dim: int = 512, rows: int = 3000) -> tuple:
+    """Random lanes for the split attention, DS4's head shape by default: q [lanes, heads, dim], f16 key
+    rows kv, each lane's gathered rows (key_rows, key_off) and the sinks."""
+    rng = np.random.default_rng()
+    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
+    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
+    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
+    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
+    sinks = rng.standard_normal(n_head).astype(np.float32)
+    return q, kv, key_rows, key_off, sinks
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("n_head, head_dim, counts", [
     (4, 128, [0, 1, 130, 300]),
@@ -335,14 +347,8 @@ def test_attention_lane_bits_do_not_depend_on_its_neighbours() -> None:
     """Batch invariance of the split attention: a lane's output is the same bits computed alone (two
     heads a block, splits sized by its own keys) and beside lanes of other lengths (four heads a
     block, a larger grid and shared-memory bound), and the same call twice gives the same bits."""
-    rng = np.random.default_rng()
-    n_head, head_dim, rows = 8, 512, 3000
-    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
     counts = [700, 3, 130, 64, 2500]
-    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
-    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
-    sinks = rng.standard_normal(n_head).astype(np.float32)
+    q, kv, key_rows, key_off, sinks = attention_case(counts)
     together = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
     again = T.gpu_attention_sink(q, kv, key_rows, key_off, sinks)
     assert np.array_equal(together.view(np.uint32), again.view(np.uint32))
@@ -361,14 +367,8 @@ def test_attention_split_min_keeps_the_contracts() -> None:
     lane stays within 2e-3 of float64 and the same bits alone as beside others. 16 keys a split changes
     the bits of lanes the default splits otherwise, -1 gives the default's back, and a count that is not
     a multiple of 8 in range is refused."""
-    rng = np.random.default_rng()
-    n_head, head_dim, rows = 8, 512, 3000
-    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
     counts = [1, 9, 40, 130, 300, 700, 2500]
-    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
-    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
-    sinks = rng.standard_normal(n_head).astype(np.float32)
+    q, kv, key_rows, key_off, sinks = attention_case(counts)
     got = {}
     try:
         for keys in (-1, 8, 16, 32, 128, -1):
@@ -396,14 +396,8 @@ def test_attention_split_min_keeps_the_contracts() -> None:
 @pytest.mark.gpu
 def test_attention_heads_a_block_change_no_bits() -> None:
     """One, two and four heads a split block and the rule, at one lane and at three: the same bits."""
-    rng = np.random.default_rng()
-    n_head, head_dim, rows = 8, 512, 3000
-    kv = (rng.standard_normal((rows, head_dim)) * 0.5).astype(np.float16)
     counts = [700, 3, 130]
-    key_off = np.concatenate([[0], np.cumsum(counts)]).astype(np.int32)
-    key_rows = rng.integers(0, rows, key_off[-1]).astype(np.int32)
-    q = rng.standard_normal((len(counts), n_head, head_dim)).astype(np.float32)
-    sinks = rng.standard_normal(n_head).astype(np.float32)
+    q, kv, key_rows, key_off, sinks = attention_case(counts)
     out = {}
     try:
         for heads in (-1, 1, 2, 4):

@@ -51,7 +51,8 @@ includes the plan upload, every kernel and the logits download). Method:
   launch, `attnq=0/1` q's per-head norm and RoPE inside the attention's split kernel,
   `comppar=0/1` the compressors' parallel path on prompt steps, `attnheads=N` the attention's heads
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
-  -1 the default, 64), `immaindep=0/1` the prompt tiles' three MMAs a unit independent of each other;
+  -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
+  other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel);
   joined by ':', variants by ','; what a variant does not name is at its
   default): prefill and decode interleave the variants for each size, and the exactness check
   compares every variant's logits with the first one's, bit for bit (expected equal for all but
@@ -225,9 +226,9 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
         if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
-                   "attnheads", "splitmin"):
+                   "attnheads", "splitmin", "immaindep"):
             want[key] = int(value)
-        elif key in ("immaahead", "immapersist", "immaindep"):
+        elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
         else:
             want[key] = value != "0"
