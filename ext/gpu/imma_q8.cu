@@ -67,7 +67,7 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
-std::atomic<int> g_imma_indep{0};         // the prompt tiles' MMAs independent of each other
+std::atomic<int> g_imma_indep{kImmaIndepDefault};  // which prompt tiles' MMAs are independent (imma.h)
 std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -400,7 +400,7 @@ void set_matvec_imma_indep(int mask) {
   if (mask < -1 || mask > (kImmaIndepQ8 | kImmaIndepQ4k))
     throw std::invalid_argument("set_matvec_imma_indep: mask must be 0..3 (1 the wide Q8_0 tile, 2 the grouped Q4_K "
                                 "kernel) or -1");
-  g_imma_indep.store(mask < 0 ? 0 : mask, std::memory_order_relaxed);
+  g_imma_indep.store(mask < 0 ? kImmaIndepDefault : mask, std::memory_order_relaxed);
 }
 
 int matvec_imma_indep() { return g_imma_indep.load(std::memory_order_relaxed); }

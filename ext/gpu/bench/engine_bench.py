@@ -52,7 +52,7 @@ includes the plan upload, every kernel and the logits download). Method:
   `comppar=0/1` the compressors' parallel path on prompt steps, `attnheads=N` the attention's heads
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
-  other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel);
+  other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel; -1 the default, 2);
   joined by ':', variants by ','; what a variant does not name is at its
   default): prefill and decode interleave the variants for each size, and the exactness check
   compares every variant's logits with the first one's, bit for bit (expected equal for all but
@@ -216,7 +216,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
                    "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
-                   "splitmin": -1, "immaindep": 0}
+                   "splitmin": -1, "immaindep": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
