@@ -297,8 +297,8 @@ def _t_gpu_set_matvec_imma_narrow(int min_rows, int ahead, int persist=-1):
 
 def _t_gpu_set_matvec_imma_indep(int mask):
     """Which prompt tiles take a unit's three MMAs independent of each other instead of the second
-    chained on the first, process-wide: a mask, 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel (-1:
-    the default, 2). The bits never depend on it. Returns the mask now."""
+    chained on the first, process-wide: a mask, 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the
+    narrow Q8_0 tile (-1: the default, 2). The bits never depend on it. Returns the mask now."""
     return int(gpu_set_matvec_imma_indep(mask))
 
 

@@ -43,11 +43,12 @@ void set_matvec_imma_narrow(int min_rows, int ahead, int persist);
 int matvec_imma_narrow_rows();
 bool matvec_imma_ahead();
 bool matvec_imma_persist();
-// Which prompt tiles take a unit's three MMAs independent of each other (imma.cuh plane_sums; pass 34),
-// a mask: kImmaIndepQ8 the wide Q8_0 tile, kImmaIndepQ4k the grouped Q4_K kernel; -1 the default,
+// Which integer tensor-core kernels take a unit's three MMAs independent of each other (imma.cuh
+// plane_sums; pass 34), a mask: kImmaIndepQ8 the wide Q8_0 tile, kImmaIndepQ4k the grouped Q4_K kernel,
+// kImmaIndepNarrow the narrow Q8_0 tile (decode at 6-8 lanes; pass 35); -1 the default,
 // kImmaIndepDefault (pass 34 calls 2-3, 2048-row prompt steps: the grouped kernel's +2.3-2.6%, the wide
 // tile's -2.5%, which spills more in that form). The same bits either way; graph key.
-constexpr int kImmaIndepQ8 = 1, kImmaIndepQ4k = 2, kImmaIndepDefault = kImmaIndepQ4k;
+constexpr int kImmaIndepQ8 = 1, kImmaIndepQ4k = 2, kImmaIndepNarrow = 4, kImmaIndepDefault = kImmaIndepQ4k;
 void set_matvec_imma_indep(int mask);
 int matvec_imma_indep();
 

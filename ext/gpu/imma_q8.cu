@@ -67,7 +67,7 @@ std::atomic<int> g_imma_narrow_rows{-1};  // the narrow tile's row threshold (-1
 std::atomic<int> g_imma_ahead{-1};        // the narrow tile's planes a chunk ahead (-1: environment)
 std::atomic<int> g_imma_persist{-1};      // the narrow tile's persistent grid (-1: environment)
 std::atomic<int> g_imma_bulk{-1};         // the weights by the bulk copy engine (-1: environment)
-std::atomic<int> g_imma_indep{kImmaIndepDefault};  // which prompt tiles' MMAs are independent (imma.h)
+std::atomic<int> g_imma_indep{kImmaIndepDefault};  // which tiles take independent MMAs (imma.h mask)
 std::atomic<int64_t> g_imma_launches[kImmaPaths] = {};  // launches so far a path (tests: the kernel did run)
 
 constexpr int kImmaWarps = 16;
@@ -397,9 +397,9 @@ bool matvec_imma_ahead() { return env_switch(g_imma_ahead, "DS4_GPU_MV_IMMA_AHEA
 bool matvec_imma_persist() { return env_switch(g_imma_persist, "DS4_GPU_MV_IMMA_PERSIST"); }
 
 void set_matvec_imma_indep(int mask) {
-  if (mask < -1 || mask > (kImmaIndepQ8 | kImmaIndepQ4k))
-    throw std::invalid_argument("set_matvec_imma_indep: mask must be 0..3 (1 the wide Q8_0 tile, 2 the grouped Q4_K "
-                                "kernel) or -1");
+  if (mask < -1 || mask > (kImmaIndepQ8 | kImmaIndepQ4k | kImmaIndepNarrow))
+    throw std::invalid_argument("set_matvec_imma_indep: mask must be 0..7 (1 the wide Q8_0 tile, 2 the grouped Q4_K "
+                                "kernel, 4 the narrow Q8_0 tile) or -1");
   g_imma_indep.store(mask < 0 ? kImmaIndepDefault : mask, std::memory_order_relaxed);
 }
 
@@ -421,7 +421,9 @@ bool imma_prepare() {
       return smem(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>::kSmem) &&
              smem(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>::kSmem) &&
              smem(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>::kSmem) &&
-             smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem);
+             smem(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>::kSmem) &&
+             smem(imma_q8_kernel<4, 1, false, B, true>, ImmaShape<4, 1>::kSmem) &&
+             smem(imma_q8_kernel<4, 1, true, B, true>, ImmaShape<4, 1>::kSmem);
     };
     const bool ok = both(std::false_type{}) && both(std::true_type{});
     (void)cudaGetLastError();
@@ -492,14 +494,18 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   };
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
-    if (ncols > 8 && (matvec_imma_indep() & kImmaIndepQ8) != 0) {
+    const int indep = matvec_imma_indep();
+    const bool narrow_indep = (indep & kImmaIndepNarrow) != 0;
+    if (ncols > 8 && (indep & kImmaIndepQ8) != 0) {
       go(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>{});
     } else if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
     } else if (matvec_imma_ahead()) {
-      go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
+      if (narrow_indep) go(imma_q8_kernel<4, 1, true, B, true>, ImmaShape<4, 1>{});
+      else go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
     } else {
-      go(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>{});
+      if (narrow_indep) go(imma_q8_kernel<4, 1, false, B, true>, ImmaShape<4, 1>{});
+      else go(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>{});
     }
   };
   const bool bulk = matvec_imma_bulk();

@@ -193,8 +193,8 @@ int set_matvec_imma_grouped(int min_pairs_per_expert);
 // set_matvec_imma_narrow(min_rows, ahead, persist) (imma.h: -1 the default); returns
 // matvec_imma_narrow_rows() * 4 + matvec_imma_persist() * 2 + matvec_imma_ahead() after it.
 int set_matvec_imma_narrow(int min_rows, int ahead, int persist);
-// set_matvec_imma_indep(mask) (imma.h: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, -1 the default);
-// returns matvec_imma_indep() after it.
+// set_matvec_imma_indep(mask) (imma.h: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow
+// Q8_0 tile, -1 the default); returns matvec_imma_indep() after it.
 int set_matvec_imma_indep(int mask);
 // Launches of the integer tensor-core kernels so far in this process (a test's proof that they ran):
 // path -1 all of them, else those on one ImmaPath (imma.h).

@@ -60,7 +60,7 @@ def test_imma_switches_read_back(imma) -> None:
     assert default >= 0 and default_grouped >= 0
     assert T.gpu_set_matvec_imma_indep(-1) == 2 and T.gpu_set_matvec_imma_indep(0) == 0  # the grouped kernel's
     with pytest.raises(ValueError, match="mask"):
-        T.gpu_set_matvec_imma_indep(4)
+        T.gpu_set_matvec_imma_indep(8)
     assert imma(0) == 0
     assert imma(48) == 48
     assert T.gpu_set_matvec_imma_grouped(0) == 0
@@ -97,8 +97,9 @@ def test_tensor_cores_equal_simt_at_every_width(imma, ne0: int, ne1: int) -> Non
     want = T.gpu_matmul(Q8_0, raw, ne0, ne1, x)
     for width in (77, 32, 33, 13, 8, 5, 1):  # from 9 columns 32 x 32 tiles, up to 8 64 x 8
         # The narrow tile with its planes loaded a chunk ahead and in place, on a persistent grid or not;
-        # the wide tile with a unit's MMAs chained and independent.
-        for ahead, persist, indep in ((1, 1, 0), (0, 1, 0), (1, 0, 0)) if width <= 8 else ((1, 1, 0), (1, 1, 1)):
+        # either tile with a unit's MMAs chained and independent.
+        narrow = ((1, 1, 0), (0, 1, 0), (1, 0, 0), (1, 1, 4), (0, 1, 4))
+        for ahead, persist, indep in narrow if width <= 8 else ((1, 1, 0), (1, 1, 1)):
             T.gpu_set_matvec_imma_narrow(0, ahead, persist)
             assert T.gpu_set_matvec_imma_indep(indep) == indep
             got, launches = on_tensor_cores(lambda: T.gpu_matmul(Q8_0, raw, ne0, ne1, x[:width]))

@@ -52,7 +52,8 @@ includes the plan upload, every kernel and the logits download). Method:
   `comppar=0/1` the compressors' parallel path on prompt steps, `attnheads=N` the attention's heads
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
-  other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel; -1 the default, 2);
+  other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow Q8_0 tile; -1 the
+  default, 2);
   joined by ':', variants by ','; what a variant does not name is at its
   default): prefill and decode interleave the variants for each size, and the exactness check
   compares every variant's logits with the first one's, bit for bit (expected equal for all but
