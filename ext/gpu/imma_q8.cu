@@ -495,17 +495,22 @@ bool imma_q8_matvec(const TensorView& W, int64_t units, int n_batch, int64_t w_m
   auto pick = [&](auto bulk) {
     constexpr bool B = decltype(bulk)::value;
     const int indep = matvec_imma_indep();
-    const bool narrow_indep = (indep & kImmaIndepNarrow) != 0;
+    auto narrow = [&](auto ahead) {
+      constexpr bool A = decltype(ahead)::value;
+      if ((indep & kImmaIndepNarrow) != 0) {
+        go(imma_q8_kernel<4, 1, A, B, true>, ImmaShape<4, 1>{});
+      } else {
+        go(imma_q8_kernel<4, 1, A, B>, ImmaShape<4, 1>{});
+      }
+    };
     if (ncols > 8 && (indep & kImmaIndepQ8) != 0) {
       go(imma_q8_kernel<2, 4, false, B, true>, ImmaShape<2, 4>{});
     } else if (ncols > 8) {
       go(imma_q8_kernel<2, 4, false, B>, ImmaShape<2, 4>{});
     } else if (matvec_imma_ahead()) {
-      if (narrow_indep) go(imma_q8_kernel<4, 1, true, B, true>, ImmaShape<4, 1>{});
-      else go(imma_q8_kernel<4, 1, true, B>, ImmaShape<4, 1>{});
+      narrow(std::true_type{});
     } else {
-      if (narrow_indep) go(imma_q8_kernel<4, 1, false, B, true>, ImmaShape<4, 1>{});
-      else go(imma_q8_kernel<4, 1, false, B>, ImmaShape<4, 1>{});
+      narrow(std::false_type{});
     }
   };
   const bool bulk = matvec_imma_bulk();

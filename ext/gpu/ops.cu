@@ -25,6 +25,7 @@
 #include <algorithm>
 #include <cmath>
 #include <string>
+#include <type_traits>
 
 #include "ds4_gpu.h"
 #include "launch.cuh"
@@ -341,19 +342,19 @@ void attention_sink(const float* q, const uint16_t* kv, const int32_t* key_rows,
   float* pst = part + o_floats;
   cudaError_t err = cudaSuccess;
   try {
-    const int want = attn_heads_a_block(n_lanes);
-    if (want >= 4 && n_head >= 4 && need(4) <= static_cast<size_t>(limit))
-      launch_attention<4>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
-                          need(4), s);
-    else if (want >= 2 && n_head >= 2 && need(2) <= static_cast<size_t>(limit))
-      launch_attention<2>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
-                          need(2), s);
-    else if (need(1) <= static_cast<size_t>(limit))
-      launch_attention<1>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
-                          need(1), s);
-    else
-      throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
-                                  " keys per lane do not fit this device's shared memory");
+    auto run = [&](auto heads) {
+      constexpr int HB = decltype(heads)::value;
+      launch_attention<HB>(q, kv, key_rows, key_off, n_lanes, n_head, head_dim, max_keys, cap, lo, splits, part, pst,
+                           need(HB), s);
+    };
+    switch (attn_heads_that_fit(n_lanes, n_head, [&](int hb) { return need(hb) <= static_cast<size_t>(limit); })) {
+      case 4: run(std::integral_constant<int, 4>{}); break;
+      case 2: run(std::integral_constant<int, 2>{}); break;
+      case 1: run(std::integral_constant<int, 1>{}); break;
+      default:
+        throw std::invalid_argument("GPU attention: " + std::to_string(max_keys) +
+                                    " keys per lane do not fit this device's shared memory");
+    }
     DS4_GPU_CHECK_LAUNCH("attention_sink_split_kernel");
     const dim3 grid(static_cast<unsigned>(n_head), static_cast<unsigned>(n_lanes));
     launch(attention_sink_combine_kernel, grid, kAttnCombineThreads, 0, s, key_off, n_head, head_dim, sinks, max_keys,

@@ -810,16 +810,14 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
   const int cap = attn_split_keys(bound, a.split_min), splits = attn_splits(bound, a.split_min);
   auto need = [&](int hb) { return attn_split_smem(cap, hb, a.head_dim, a.q_raw); };
   const cudaStream_t st = cs(s);
-  const int want = attn_heads_a_block(n);
-  if (want >= 4 && a.n_head >= 4 && need(4) <= attn_dyn_limit[4])
-    launch_attention<4>(a, L, n, cap, splits, need(4), st);
-  else if (want >= 2 && a.n_head >= 2 && need(2) <= attn_dyn_limit[2])
-    launch_attention<2>(a, L, n, cap, splits, need(2), st);
-  else if (need(1) <= attn_dyn_limit[1])
-    launch_attention<1>(a, L, n, cap, splits, need(1), st);
-  else
-    throw std::invalid_argument("GPU attention: " + std::to_string(a.max_keys) +
-                                " keys per lane do not fit this device's shared memory");
+  switch (attn_heads_that_fit(n, a.n_head, [&](int hb) { return need(hb) <= attn_dyn_limit[hb]; })) {
+    case 4: launch_attention<4>(a, L, n, cap, splits, need(4), st); break;
+    case 2: launch_attention<2>(a, L, n, cap, splits, need(2), st); break;
+    case 1: launch_attention<1>(a, L, n, cap, splits, need(1), st); break;
+    default:
+      throw std::invalid_argument("GPU attention: " + std::to_string(a.max_keys) +
+                                  " keys per lane do not fit this device's shared memory");
+  }
   DS4_GPU_CHECK_LAUNCH("attention_split_kernel");
   const dim3 grid(static_cast<unsigned>(a.n_head), static_cast<unsigned>(n));
   launch(attention_combine_kernel, grid, kAttnCombineThreads, 0, st, a, L);

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <initializer_list>
 
 #include "ds4_gpu.h"
 
@@ -212,6 +213,15 @@ void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream
 int attn_heads_setting();
 int attn_heads_a_block(int n_lanes);  // what a launch of n_lanes lanes asks for
 int attn_split_min();
+// The heads a split block a launch takes: the largest of 4, 2 and 1 that it asks for
+// (attn_heads_a_block), that n_head allows and whose shared memory fits(hb); 0 where none fits.
+template <class Fits>
+int attn_heads_that_fit(int n_lanes, int n_head, Fits fits) {
+  const int want = attn_heads_a_block(n_lanes);
+  for (int hb : {4, 2})
+    if (want >= hb && n_head >= hb && fits(hb)) return hb;
+  return fits(1) ? 1 : 0;
+}
 // Floats of AttentionLaunch::part for n_lanes lanes (the split partials and their max / sum).
 int64_t attention_part_floats(int n_lanes, int n_head, int head_dim);
 // Before attention_paged (engines call it at construction): lets its kernels use the device's

@@ -58,7 +58,7 @@ def on_tensor_cores(fn):
 def test_imma_switches_read_back(imma) -> None:
     default, default_grouped = imma(-1), T.gpu_set_matvec_imma_grouped(-1)
     assert default >= 0 and default_grouped >= 0
-    assert T.gpu_set_matvec_imma_indep(-1) == 2 and T.gpu_set_matvec_imma_indep(0) == 0  # the grouped kernel's
+    assert T.gpu_set_matvec_imma_indep(-1) == 2 and T.gpu_set_matvec_imma_indep(0) == 0  # default: the grouped kernel
     with pytest.raises(ValueError, match="mask"):
         T.gpu_set_matvec_imma_indep(8)
     assert imma(0) == 0

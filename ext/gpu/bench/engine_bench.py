@@ -53,11 +53,10 @@ includes the plan upload, every kernel and the logits download). Method:
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
   other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow Q8_0 tile; -1 the
-  default, 2);
-  joined by ':', variants by ','; what a variant does not name is at its
-  default): prefill and decode interleave the variants for each size, and the exactness check
-  compares every variant's logits with the first one's, bit for bit (expected equal for all but
-  `mma`, `int8`, `hcfused` and `splitmin`);
+  default, 2); joined by ':', variants by ','; what a variant does not name is at its default):
+  prefill and decode interleave the variants for each size, and the exactness check compares every
+  variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8`,
+  `hcfused` and `splitmin`);
   the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
