@@ -226,6 +226,7 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         ("rope_inv_freq", 8 * cfg.n_layer * (cfg.rope_dim // 2)),
         # attention's split partials: R x n_head x 8 splits x (head_dim + 2) floats (paged_ops.cu)
         ("attn_part", 4 * R * nh * 8 * (hd + 2)),
+        ("attn_done", 4 * R * nh),  # the fused combine's split counters (step_ops.h AttentionLaunch::done)
         # the logit lanes' greedy tokens (step_argmax), then the argmax's work area: 64 splits a row
         # of (value, index) (ext/gpu/ds4_gpu.h argmax_work_bytes)
         ("argmax", 4 * R + 8 * 64 * R),
