@@ -242,6 +242,7 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         # the fused mHC sites' block sums (ext/gpu/step_ops.h hc_site): per row and block (256
         # elements of one of the 4 streams) a double and (2 + 4) 4 floats
         ("hc_site", R * 4 * -(-d // 256) * (8 + 4 * 24)),
+        ("hc_done", 4 * R),  # the fused pre's block counters, a row group each (step_ops.h HcSite::done)
     ]
 
 

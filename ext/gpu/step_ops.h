@@ -93,6 +93,10 @@ struct HcSite {
   int64_t ldp = 0;
   uint8_t* scratch = nullptr;
   int scratch_rows = 0;
+  // The pre in the sums kernel (null: a launch of its own): the nb sum blocks of a row group count
+  // themselves done here (a counter a group, at least ceil(n / 8) of them, zero before a launch and
+  // after it), and the last one runs the pre kernel's whole-row work for the group's rows (the same bits).
+  uint32_t* done = nullptr;
 };
 bool hc_site_takes(int hc, int64_t d, int fn_type);
 uint64_t hc_site_scratch_bytes(int rows, int64_t d);

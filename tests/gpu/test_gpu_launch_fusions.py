@@ -12,9 +12,13 @@ RMSNorm and tail RoPE to its heads of q in shared memory instead of a q_heads la
 The combine in the attention (pass 36, AttentionLaunch::done): the last split block of a lane's head
 group to finish merges the group's heads, instead of a combine launch after the splits.
 
-In the engine (``use_route_fused``, ``use_attn_q_fused``, ``use_attn_combine_fused``) each switch on
-must give the logits of all off, eager and under graphs, on steps the fusions take (the engine runs
-the fused router up to 4 lanes, q_heads in the attention up to 2, the fused combine at any width) and
+The pre in the mHC site's sums kernel (pass 37, HcSite::done): the last sums block of a row group to
+finish runs the pre kernel's whole-row work for the group's rows, instead of a pre launch after the sums.
+
+In the engine (``use_route_fused``, ``use_attn_q_fused``, ``use_attn_combine_fused``,
+``use_hc_pre_fused``) each switch on must give the logits of all off, eager and under graphs, on steps
+the fusions take (the engine runs the fused router up to 4 lanes, q_heads in the attention up to 2, the
+fused combine and pre at any width) and
 steps they do not, over tiny's hash-routed layer, its top-k layers and its CSA layer past the
 indexer's top-k. The cases' prompts (up to 60 tokens) give lanes of one split and of several.
 
@@ -147,14 +151,14 @@ def tiny_gpu(tmp_path_factory):
     return synth_tiny_gpu(tmp_path_factory, 12, max_slots=4, max_rows=40)
 
 
-SWITCHES = ("use_route_fused", "use_attn_q_fused", "use_attn_combine_fused")
+SWITCHES = ("use_route_fused", "use_attn_q_fused", "use_attn_combine_fused", "use_hc_pre_fused")
 
 
 def fusion_runs(mf, gpu, switch: str) -> None:
     """The logits with `switch` on (and the other fusions off) against all off: the same bits, eager
     and under graphs (each switch is part of the graph key): steps of one and two decode lanes
     (every fusion runs), prompts packed beside decode lanes and 12-row prompt chunks (only the fused
-    combine runs). Leaves every switch on (the defaults) and graphs as they were."""
+    combine and pre run). Leaves every switch on (the defaults) and graphs as they were."""
     from tests.engine_cases import Seq, prompt, run
 
     seqs = [
