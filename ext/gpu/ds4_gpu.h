@@ -126,8 +126,10 @@ int matvec_grouped_groups();
 void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy, int n_rows, int64_t n, float eps,
               Stream stream, uint8_t* planes = nullptr, int64_t ldp = 0);
 
-// Y[i] = row tokens[i] of E (F32, F16, BF16, Q8_0, Q4_K or MXFP4), dequantized exactly.
-void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream);
+// Y[i] = row tokens[i] of E (F32, F16, BF16, Q8_0, Q4_K or MXFP4), dequantized exactly, written `copies`
+// times one after another in Y's row (the step's mHC streams; copies * row width <= ldy).
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream,
+                int copies = 1);
 
 // Tail RoPE in place: for row i and head h, the interleaved pairs of the last rope_dim elements
 // of X[i * row_stride + h * head_dim ...] turn by pos[i] * inv_freq[k] (negated: inverse). cos/sin

@@ -1142,8 +1142,8 @@ void GpuEngine::Impl::launch_step() {
   x_hc = x_hc_base;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
-  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream);
-  replicate_streams(x_hc, n, cfg.hc_mult, cfg.n_embd, stream);
+  // Every mHC stream starts as the embedding row (hc_mult copies).
+  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult);
   for (int l = 0; l < cfg.n_layer; ++l) {
     attention_layer(l);
     ffn_layer(l);

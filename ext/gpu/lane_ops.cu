@@ -1,7 +1,6 @@
 // Per-lane operations of the DS4 step (step_ops.h), each the CPU executor's operation with the
 // same formulas (ext/engine/mhc.cpp, ops.cpp, moe.cpp) and a lane-local fixed order.
 //
-// replicate_streams  grid n, 256 threads; copies stream 0 to the others. Bytes: 4 (hc-1) d per lane.
 // hc_pre             grid (2, n), 1024 threads (hc_mix_kernel): both blocks of a lane compute rho
 //                    over the hc*d state (double, 16 loads in flight a thread); block 0 then
 //                    u = sum_j pre_j X[j] and the attn/ffn RMSNorm of u (fused: one launch fewer);
@@ -44,15 +43,6 @@
 namespace ds4::gpu {
 
 namespace {
-
-__global__ void __launch_bounds__(kRowThreads) replicate_kernel(float* __restrict__ X, int hc, int64_t d) {
-  ds4_grid_begin();
-  float* x = X + static_cast<int64_t>(blockIdx.x) * hc * d;
-  for (int64_t k = threadIdx.x; k < d; k += kRowThreads) {
-    const float v = x[k];
-    for (int s = 1; s < hc; ++s) x[s * d + k] = v;
-  }
-}
 
 __device__ void col_normalize(float* c, int n, float eps) {
   for (int k = 0; k < n; ++k) {
@@ -688,12 +678,6 @@ void qat_rows(int kind, float* X, int n_rows, int n) {
 }
 
 }  // namespace testing
-
-void replicate_streams(float* X, int n, int hc, int64_t d, Stream s) {
-  if (n <= 0 || hc <= 1) return;
-  launch(replicate_kernel, n, kRowThreads, 0, cs(s), X, hc, d);
-  DS4_GPU_CHECK_LAUNCH("replicate_kernel");
-}
 
 // The fused mHC kernels keep u in shared memory for its norm (d floats, at most 48 KB).
 static void launch_hc_mix(int parts, const float* X, const int32_t* lanes, int rows, int hc, int64_t d,

@@ -6,7 +6,7 @@
 //                 16 loads in flight, then the butterfly and a fixed 8-warp tree); y = (x * r) * w
 //                 as the CPU rounds it. Bytes: 8 per element (read x, write y) + 4 for w.
 // embed_rows      one block (128 threads) per token: the row is decoded with matvec.cuh's units,
-//                 so every value equals the CPU dequantizer's. Bytes: one row in, 4 * K out.
+//                 so every value equals the CPU dequantizer's. Bytes: one row in, 4 * K out a copy.
 // rope_tail       one block (128 threads) per row: cos/sin of pos * inv_freq in double, rounded
 //                 once to float (as RopeTable::init), then x0*c - x1*s, x0*s + x1*c per pair.
 //                 Bytes: 8 per rotated element.
@@ -69,16 +69,19 @@ static_assert(kNormThreads / DS4_WARP == 8, "rms_norm's final tree is written fo
 
 // --- embedding --------------------------------------------------------------------------------
 
+// A block a token: its row into `copies` consecutive rows of Y's row (the mHC streams: the step's first
+// kernel writes all of them, where a second launch had copied stream 0 to the others).
 template <int T>
 __global__ void __launch_bounds__(128)
     embed_kernel(const uint8_t* __restrict__ E, int64_t row_bytes, int64_t units, int64_t n_vocab,
-                 const int32_t* __restrict__ tokens, float* __restrict__ Y, int64_t ldy) {
+                 const int32_t* __restrict__ tokens, float* __restrict__ Y, int64_t ldy, int copies) {
   ds4_grid_begin();
   using U = Unit<T>;
   const int32_t tok = tokens[blockIdx.x];
+  const int64_t K = units * U::kElems;
   float* y = Y + static_cast<int64_t>(blockIdx.x) * ldy;
   if (tok < 0 || tok >= n_vocab) {  // a bad id never reads outside the table: the row becomes NaN
-    for (int64_t i = threadIdx.x; i < units * U::kElems; i += blockDim.x) y[i] = __int_as_float(0x7fc00000);
+    for (int64_t i = threadIdx.x; i < copies * K; i += blockDim.x) y[i] = __int_as_float(0x7fc00000);
     return;
   }
   const uint8_t* row = E + static_cast<int64_t>(tok) * row_bytes;
@@ -90,10 +93,13 @@ __global__ void __launch_bounds__(128)
       float w[4];
       U::decode(raw, g, w);
       const int64_t k = U::k_of(u, g);
-      y[k] = w[0];
-      y[k + 1] = w[1];
-      y[k + 2] = w[2];
-      y[k + 3] = w[3];
+      for (int c = 0; c < copies; ++c) {
+        float* yc = y + c * K + k;
+        yc[0] = w[0];
+        yc[1] = w[1];
+        yc[2] = w[2];
+        yc[3] = w[3];
+      }
     }
   }
 }
@@ -290,9 +296,12 @@ void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy
   DS4_GPU_CHECK_LAUNCH("rms_norm_kernel");
 }
 
-void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream) {
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream, int copies) {
   if (n < 0) throw std::invalid_argument("GPU embed_rows: negative token count");
   const int64_t K = E.ne[0];
+  if (copies < 1 || copies * K > ldy)
+    throw std::invalid_argument("GPU embed_rows: " + std::to_string(copies) + " copies of a " + std::to_string(K) +
+                                "-wide row do not fit rows " + std::to_string(ldy) + " apart");
   const int64_t need = E.type == DType::Q4_K ? 256 : (E.type == DType::Q8_0 || E.type == DType::MXFP4) ? 32 : 8;
   if (K % need != 0)
     throw std::invalid_argument("GPU embed_rows: row width " + std::to_string(K) + " of a " + dtype_name(E.type) +
@@ -301,12 +310,12 @@ void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rb = E.row_bytes(), rows = E.ne[1];
   switch (E.type) {
-    case DType::F32: launch(embed_kernel<kF32>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::F16: launch(embed_kernel<kF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::BF16: launch(embed_kernel<kBF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy); break;
-    case DType::Q8_0: launch(embed_kernel<kQ8_0>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
-    case DType::Q4_K: launch(embed_kernel<kQ4_K>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
-    case DType::MXFP4: launch(embed_kernel<kMXFP4>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy); break;
+    case DType::F32: launch(embed_kernel<kF32>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
+    case DType::F16: launch(embed_kernel<kF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
+    case DType::BF16: launch(embed_kernel<kBF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
+    case DType::Q8_0: launch(embed_kernel<kQ8_0>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
+    case DType::Q4_K: launch(embed_kernel<kQ4_K>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
+    case DType::MXFP4: launch(embed_kernel<kMXFP4>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
     default: throw std::invalid_argument(std::string("GPU embed_rows: unsupported table type ") + dtype_name(E.type));
   }
   DS4_GPU_CHECK_LAUNCH("embed_kernel");

@@ -35,9 +35,6 @@ struct StepLanes {
 
 // --- lane_ops.cu -------------------------------------------------------------------------------
 
-// X[i][s*d + k] = X[i][k] for s = 1..hc-1 (the identical streams after the embedding).
-void replicate_streams(float* X, int n, int hc, int64_t d, Stream s);
-
 // mHC pre (spec §3.1) from mix = fn . x̂ (unnormalized): u = sum_j pre_j X[i][j], post, comb; then,
 // when norm_w is given, the RMSNorm that follows it (eps norm_eps): U[i] = (u * r) * norm_w, else
 // U[i] = u. d <= 12288. planes given (d % 32 == 0): also U[i]'s planes for the integer products
