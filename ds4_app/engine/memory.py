@@ -226,7 +226,6 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         ("rope_inv_freq", 8 * cfg.n_layer * (cfg.rope_dim // 2)),
         # attention's split partials: R x n_head x 8 splits x (head_dim + 2) floats (paged_ops.cu)
         ("attn_part", 4 * R * nh * 8 * (hd + 2)),
-        ("attn_done", 4 * R * nh),  # the fused combine's split counters (step_ops.h AttentionLaunch::done)
         # the logit lanes' greedy tokens (step_argmax), then the argmax's work area: 64 splits a row
         # of (value, index) (ext/gpu/ds4_gpu.h argmax_work_bytes)
         ("argmax", 4 * R + 8 * 64 * R),
@@ -242,7 +241,6 @@ def _device_scratch_buffers(cfg: DS4Config, max_rows: int, max_ctx: int) -> list
         # the fused mHC sites' block sums (ext/gpu/step_ops.h hc_site): per row and block (256
         # elements of one of the 4 streams) a double and (2 + 4) 4 floats
         ("hc_site", R * 4 * -(-d // 256) * (8 + 4 * 24)),
-        ("hc_done", 4 * R),  # the fused pre's block counters, a row group each (step_ops.h HcSite::done)
     ]
 
 

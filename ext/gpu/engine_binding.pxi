@@ -42,10 +42,6 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         cbool route_fused()
         void set_attn_q_fused(cbool on) except +
         cbool attn_q_fused()
-        void set_attn_combine_fused(cbool on) except +
-        cbool attn_combine_fused()
-        void set_hc_pre_fused(cbool on) except +
-        cbool hc_pre_fused()
         void set_parallel_compressor(cbool on) except +
         cbool parallel_compressor()
         vector[int64_t] l2_prefetch_log() except +
@@ -268,28 +264,6 @@ cdef class GpuEngine:
     @use_attn_q_fused.setter
     def use_attn_q_fused(self, on):
         self._get().set_attn_q_fused(bool(on))
-
-    @property
-    def use_attn_combine_fused(self):
-        """Whether the attention's last split block of a lane's head group merges the group's heads
-        instead of a combine launch after the splits (default on, DS4_GPU_ATTN_COMBINE_FUSED=0 off).
-        The same bits."""
-        return bool(self._get().attn_combine_fused())
-
-    @use_attn_combine_fused.setter
-    def use_attn_combine_fused(self, on):
-        self._get().set_attn_combine_fused(bool(on))
-
-    @property
-    def use_hc_pre_fused(self):
-        """Whether an mHC site's last sums block of a row group runs the site's pre for the group's rows
-        instead of a pre launch after the sums (default on, DS4_GPU_HC_PRE_FUSED=0 off). The same
-        bits."""
-        return bool(self._get().hc_pre_fused())
-
-    @use_hc_pre_fused.setter
-    def use_hc_pre_fused(self, on):
-        self._get().set_hc_pre_fused(bool(on))
 
     @property
     def use_parallel_compressor(self):

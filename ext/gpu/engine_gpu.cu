@@ -193,18 +193,10 @@ struct GpuEngine::Impl {
   // q_heads inside the attention's split kernel (set_attn_q_fused; AttentionLaunch::q_raw), for
   // steps of at most kAttnQFusedMaxLanes lanes.
   bool attn_q_fused = false;
-  // The attention's combine in its split kernel (set_attn_combine_fused; AttentionLaunch::done):
-  // attn_done holds the [lanes][n_head] split counters (zeroed once, left zero by every launch).
-  bool attn_combine_fused = false;
-  uint32_t* attn_done = nullptr;
   // The compressors' parallel path (set_parallel_compressor; step_ops.h compressor_update) for steps
   // where a slot has several lanes (n > n_groups: prompt rows); decode steps keep the serial kernel.
   bool parallel_compressor = false;
   uint8_t* hc_scratch = nullptr;  // hc_site's block sums
-  // The mHC site's pre in its sums kernel (set_hc_pre_fused; HcSite::done): hc_done holds the row
-  // groups' block counters (zeroed once, left zero by every launch).
-  bool hc_pre_fused = false;
-  uint32_t* hc_done = nullptr;
   // hc_site's post writes the streams apart from its input: x_hc and x_hc_next swap after each one
   // (launch_step starts every step on x_hc_base).
   float *x_hc_base = nullptr, *x_hc_next = nullptr;
@@ -264,7 +256,7 @@ struct GpuEngine::Impl {
   // and fewest keys a split, step_ops.h; the prompt tiles' independent MMAs, imma.h).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool, int, int, int, bool, bool>;
+                 bool, bool, int, int, int>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -431,8 +423,6 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
   route_fused = env_flag("DS4_GPU_ROUTE_FUSED", true);
   attn_q_fused = env_flag("DS4_GPU_ATTN_Q_FUSED", true);
-  attn_combine_fused = env_flag("DS4_GPU_ATTN_COMBINE_FUSED", true);
-  hc_pre_fused = env_flag("DS4_GPU_HC_PRE_FUSED", true);
   parallel_compressor = env_flag("DS4_GPU_COMP_PARALLEL", true);
   prefetch_cap = l2_cache_bytes() / 2;
   if (const char* v = std::getenv("DS4_GPU_L2_PREFETCH_BYTES"); v != nullptr && *v != '\0') {
@@ -630,14 +620,12 @@ void GpuEngine::Impl::carve_scratch() {
       // attention's split partials (paged_ops.cu): R x n_head x 8 splits x (head_dim + 2) floats
       {reinterpret_cast<void**>(&attn_part), 4 * attention_part_floats(static_cast<int>(R), static_cast<int>(nh),
                                                                        static_cast<int>(hd))},
-      {reinterpret_cast<void**>(&attn_done), 4 * R * nh},  // the fused combine's split counters
       // the logit lanes' greedy tokens, then argmax_rows' work area
       {reinterpret_cast<void**>(&argmax_tokens), 4 * R + static_cast<int64_t>(argmax_work_bytes(R))},
       {reinterpret_cast<void**>(&x_planes), x_planes_bytes},
       {reinterpret_cast<void**>(&planes_u), planes_u_bytes},
       {reinterpret_cast<void**>(&planes_b), planes_b_bytes},
       {reinterpret_cast<void**>(&hc_scratch), static_cast<int64_t>(hc_site_scratch_bytes(static_cast<int>(R), d))},
-      {reinterpret_cast<void**>(&hc_done), 4 * R},  // the fused pre's block counters (a row group each)
   };
   auto padded = [](int64_t b) {
     return static_cast<uint64_t>((b + kScratchAlign - 1) / kScratchAlign * kScratchAlign);
@@ -651,8 +639,6 @@ void GpuEngine::Impl::carve_scratch() {
     off += padded(p.bytes);
   }
   DS4_GPU_CHECK(cudaMemset(route_done, 0, 4));  // the fused router's counter starts at zero
-  DS4_GPU_CHECK(cudaMemset(attn_done, 0, 4 * R * nh));  // and the attention's split counters
-  DS4_GPU_CHECK(cudaMemset(hc_done, 0, 4 * R));  // and the mHC sites' block counters
   // Constants: the pair -> lane map of the grouped expert products, and the RoPE tables.
   std::vector<int32_t> pr(static_cast<size_t>(R * K));
   for (int64_t p = 0; p < R * K; ++p) pr[p] = static_cast<int32_t>(p / K);
@@ -861,7 +847,6 @@ HcSite GpuEngine::Impl::site_launch(const HcWeights& w, const float* norm, float
   s.ldp = planes_ld(cfg.n_embd);
   s.scratch = hc_scratch;
   s.scratch_rows = opts.max_rows;
-  s.done = hc_pre_fused ? hc_done : nullptr;
   return s;
 }
 
@@ -1003,7 +988,6 @@ void GpuEngine::Impl::attention_layer(int l) {
   at.part = attn_part;
   at.q_raw = q_in_attention;  // the split blocks do q_heads' work (skipped above)
   at.q_eps = eps;
-  at.done = attn_combine_fused ? attn_done : nullptr;
   // (C) grouped low-rank output: group g maps heads [g*nh/G, (g+1)*nh/G) through rows
   // [g*ol, (g+1)*ol) of wo_a, then wo_b mixes all groups.
   // The G groups run as one batched launch (each group's rows as its own launch computes them),
@@ -1159,7 +1143,7 @@ void GpuEngine::Impl::run_graph() {
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
                      hc_fused, route_fused, attn_q_fused, parallel_compressor, attn_heads_setting(),
-                     attn_split_min(), matvec_imma_indep(), attn_combine_fused, hc_pre_fused};
+                     attn_split_min(), matvec_imma_indep()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {
@@ -1288,10 +1272,6 @@ void GpuEngine::set_route_fused(bool on) { impl_->route_fused = on; }
 bool GpuEngine::route_fused() const { return impl_->route_fused; }
 void GpuEngine::set_attn_q_fused(bool on) { impl_->attn_q_fused = on; }
 bool GpuEngine::attn_q_fused() const { return impl_->attn_q_fused; }
-void GpuEngine::set_attn_combine_fused(bool on) { impl_->attn_combine_fused = on; }
-bool GpuEngine::attn_combine_fused() const { return impl_->attn_combine_fused; }
-void GpuEngine::set_hc_pre_fused(bool on) { impl_->hc_pre_fused = on; }
-bool GpuEngine::hc_pre_fused() const { return impl_->hc_pre_fused; }
 void GpuEngine::set_parallel_compressor(bool on) { impl_->parallel_compressor = on; }
 bool GpuEngine::parallel_compressor() const { return impl_->parallel_compressor; }
 std::vector<int64_t> GpuEngine::l2_prefetch_log() const { return impl_->prefetch_log; }

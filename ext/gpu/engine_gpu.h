@@ -127,17 +127,6 @@ class GpuEngine {
   // Part of the graph key.
   void set_attn_q_fused(bool on);
   bool attn_q_fused() const;
-  // The attention's combine in its split kernel (pass 36, step_ops.h AttentionLaunch::done): the last
-  // split block of a lane's head group merges the group's heads, instead of a combine launch after
-  // the splits. The same bits. Default: on; DS4_GPU_ATTN_COMBINE_FUSED=0 turns it off. Part of the
-  // graph key.
-  void set_attn_combine_fused(bool on);
-  bool attn_combine_fused() const;
-  // The mHC site's pre in its sums kernel (pass 37, step_ops.h HcSite::done): the last sums block of a
-  // row group runs the pre kernel's whole-row work for the group's rows, instead of a pre launch after
-  // the sums. The same bits. Default: on; DS4_GPU_HC_PRE_FUSED=0 turns it off. Part of the graph key.
-  void set_hc_pre_fused(bool on);
-  bool hc_pre_fused() const;
   // The compressors' parallel path for prompt steps (step_ops.h compressor_update): a block per
   // finished compressed block, then the state in a second launch, instead of a block per slot that
   // runs the slot's lanes in order. Taken where a slot has several lanes in the step; the same bits.
@@ -196,10 +185,6 @@ class GpuEngine {
   bool route_fused() const { return false; }
   void set_attn_q_fused(bool) { throw std::runtime_error("no GPU backend"); }
   bool attn_q_fused() const { return false; }
-  void set_attn_combine_fused(bool) { throw std::runtime_error("no GPU backend"); }
-  bool attn_combine_fused() const { return false; }
-  void set_hc_pre_fused(bool) { throw std::runtime_error("no GPU backend"); }
-  bool hc_pre_fused() const { return false; }
   void set_parallel_compressor(bool) { throw std::runtime_error("no GPU backend"); }
   bool parallel_compressor() const { return false; }
   std::vector<int64_t> l2_prefetch_log() const { return {}; }

@@ -302,143 +302,6 @@ struct HcSiteLaunch {
   float* part_mix;  // [rows][nb][MIX], after them
 };
 
-// X's float4s a pre thread loads beside the block sums (d <= 4096 in one go; more in a loop after), in
-// the pre kernel; the sums kernel's fused pre holds one (its registers would otherwise be the pre's
-// 128 for every sums block, and half the blocks an SM in a prompt step).
-constexpr int kHcPreHeld = 4;
-constexpr int kHcPreHeldFused = 1;
-
-// The pre kernel's work for row `row` (block x qb4 / 64 of it, or the whole row), after the grid wait; nw:
-// the block's norm weights where early_w (loaded before the wait). FRESH: X_out and the block sums were
-// written by other blocks of the running launch (the sums kernel's fused pre), so they are read from L2
-// (ds4_ldcg), never through a cache that may hold older lines: the same values.
-template <bool HEAD, bool FRESH>
-__device__ __forceinline__ void hc_site_pre_row(const HcSiteLaunch& a, int row, bool whole_row, int64_t q0,
-                                                float4 nw) {
-  constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
-  // First the row's block sums (nb doubles, then nb x MIX floats), then u ([d / 4]).
-  extern __shared__ float4 site_u[];
-  __shared__ double red[kRowWarps];
-  __shared__ float mix_s[MIX];
-  __shared__ double ss_s;
-  auto ld = [](const auto* p) { return FRESH ? ds4_ldcg(p) : *p; };
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t d = a.site.d, q4 = d / 4;
-  const int i = a.site.lanes != nullptr ? a.site.lanes[row] : row;
-  const float* xi = (a.site.has_post ? a.site.X_out : a.site.X) + static_cast<int64_t>(i) * HC * d;
-  const float4* x4 = reinterpret_cast<const float4*>(xi);
-  constexpr int HELD = FRESH ? kHcPreHeldFused : kHcPreHeld;
-  float4 held[HELD][HC];  // X's first float4s of the thread, loaded beside the block sums
-#pragma unroll
-  for (int c = 0; c < HELD; ++c) {
-    const int64_t q = tid + static_cast<int64_t>(c) * kRowThreads;
-#pragma unroll
-    for (int s = 0; s < HC; ++s) held[c][s] = q < q4 ? ld(x4 + s * q4 + q) : make_float4(0.f, 0.f, 0.f, 0.f);
-  }
-  // The block sums into shared memory at once (their loads all in flight), then added in block order.
-  const int64_t p0 = static_cast<int64_t>(row) * a.nb;
-  double* parts_ss = reinterpret_cast<double*>(site_u);
-  float* parts_s = reinterpret_cast<float*>(parts_ss + a.nb);
-  for (int j = tid; j < a.nb * MIX; j += kRowThreads) parts_s[j] = ld(a.part_mix + p0 * MIX + j);
-  for (int j = tid; j < a.nb; j += kRowThreads) parts_ss[j] = ld(a.part_ss + p0 + j);
-  __syncthreads();
-  if (tid < MIX) {
-    float m = parts_s[tid];
-#pragma unroll 8
-    for (int j = 1; j < a.nb; ++j) m += parts_s[j * MIX + tid];
-    mix_s[tid] = m;
-  } else if (tid == MIX) {
-    double t = parts_ss[0];
-#pragma unroll 8
-    for (int j = 1; j < a.nb; ++j) t += parts_ss[j];
-    ss_s = t;
-  }
-  __syncthreads();
-  const float rho =
-      static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.site.norm_eps)));
-  if constexpr (!HEAD) {  // post, and comb's logits (hc_mix_kernel's part 1 before its Sinkhorn)
-    if (q0 == 0) {
-      if (tid < HC)
-        a.site.post[i * HC + tid] =
-            2.0f * sigmoid_dev(a.site.scale[1] * (rho * mix_s[HC + tid]) + a.site.base[HC + tid]);
-      else if (tid >= DS4_WARP && tid < DS4_WARP + HC * HC)
-        a.site.comb[i * HC * HC + tid - DS4_WARP] =
-            a.site.scale[2] * (rho * mix_s[2 * HC + tid - DS4_WARP]) + a.site.base[2 * HC + tid - DS4_WARP];
-    }
-  }
-  float pre[HC];  // (the barrier above ends the block sums' use of site_u)
-#pragma unroll
-  for (int s = 0; s < HC; ++s)
-    pre[s] = sigmoid_dev(a.site.scale[0] * (rho * mix_s[s]) + a.site.base[s]) + a.site.hc_eps;
-  // u = sum_s pre_s X[s] (s in order, as hc_mix_kernel) over the whole row, four elements a thread
-  // at a time; its sum of squares in the same order in every block.
-  double uss = 0.0;
-  auto add = [&](int64_t q, const float4 (&xv)[HC]) {
-    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int s = 0; s < HC; ++s) {
-      t.x += pre[s] * xv[s].x;
-      t.y += pre[s] * xv[s].y;
-      t.z += pre[s] * xv[s].z;
-      t.w += pre[s] * xv[s].w;
-    }
-    site_u[q] = t;
-    uss += static_cast<double>(t.x) * t.x;
-    uss += static_cast<double>(t.y) * t.y;
-    uss += static_cast<double>(t.z) * t.z;
-    uss += static_cast<double>(t.w) * t.w;
-  };
-#pragma unroll
-  for (int c = 0; c < HELD; ++c)
-    if (tid + static_cast<int64_t>(c) * kRowThreads < q4) add(tid + static_cast<int64_t>(c) * kRowThreads, held[c]);
-  for (int64_t q = tid + static_cast<int64_t>(HELD) * kRowThreads; q < q4; q += kRowThreads) {
-    float4 xv[HC];
-#pragma unroll
-    for (int s = 0; s < HC; ++s) xv[s] = ld(x4 + s * q4 + q);
-    add(q, xv);
-  }
-  float r = 1.0f;
-  if (a.site.norm_w) {
-    const double ut = block_sum(uss, red);  // its barrier also publishes site_u
-    r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(a.site.norm_eps)));
-  } else {
-    __syncthreads();
-  }
-  // The block's float4s [qb, qe) (its 64, or the row's in a whole-row block: every element's same
-  // arithmetic): U, and its planes from the shared copy (unit_planes_of_row's records).
-  const int64_t qb = whole_row ? 0 : q0;
-  const int64_t qe = whole_row || q0 + kRowThreads / 4 > q4 ? q4 : q0 + kRowThreads / 4;
-  float4* u4 = reinterpret_cast<float4*>(a.site.U + static_cast<int64_t>(row) * d);
-  for (int64_t q = qb + tid; q < qe; q += kRowThreads) {
-    const float4 t = site_u[q];
-    float4 o = t;
-    if (a.site.norm_w) {
-      const float4 w = whole_row ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q) : nw;
-      o = make_float4((t.x * r) * w.x, (t.y * r) * w.y, (t.z * r) * w.z, (t.w * r) * w.w);
-    }
-    u4[q] = o;
-    site_u[q] = o;
-  }
-  if (a.site.planes != nullptr) {
-    __syncthreads();
-    unit_planes_of_row(reinterpret_cast<const float*>(site_u + qb), 4 * (qe - qb),
-                       a.site.planes + static_cast<int64_t>(row) * a.site.ldp + kPlaneBytes * (qb / 8));
-  }
-}
-
-template <bool HEAD>
-__global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLaunch a, bool whole_row) {
-  // This block's 256 elements (64 float4s): thread t's norm weights before the grid wait (constant
-  // data); a whole-row block loads the row's as it writes U.
-  const int tid = static_cast<int>(threadIdx.x);
-  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 4);
-  const bool early_w = !whole_row && a.site.norm_w && tid < kRowThreads / 4 && q0 + tid < a.site.d / 4;
-  const float4 nw = early_w ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q0 + tid)
-                            : make_float4(1.f, 1.f, 1.f, 1.f);
-  ds4_grid_begin();
-  hc_site_pre_row<HEAD, false>(a, static_cast<int>(blockIdx.y), whole_row, q0, nw);
-}
-
 template <int WT, bool HEAD>
 __global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteLaunch a, int rows, int rows_per_block) {
   constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
@@ -492,27 +355,128 @@ __global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteL
     }
     __syncthreads();  // every thread is done with red_mix before the next row rewrites it
   }
-  if (a.site.done == nullptr) return;
-  // The fused pre (HcSite::done): the block fences its sums (and its streams' post) and counts itself
-  // done; the last of the row group's nb blocks runs the pre kernel's whole-row work for each of the
-  // group's rows (hc_site_pre_row: the same arithmetic, so the same bits) and resets the count.
-  __shared__ bool last;
-  __threadfence();
-  __syncthreads();
-  if (tid == 0) {
-    uint32_t* count = a.site.done + blockIdx.y;
-    last = atomicAdd(count, 1u) == static_cast<uint32_t>(a.nb - 1);
-    if (last) *count = 0u;  // every block of the group has counted
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other blocks' sums and streams, after their counts
-  for (int row = row0; row < row0 + rows_per_block && row < rows; ++row) {
-    if (row > row0) __syncthreads();  // the last row's planes are read from site_u before it is rewritten
-    hc_site_pre_row<HEAD, true>(a, row, true, 0, make_float4(1.f, 1.f, 1.f, 1.f));
-  }
 }
 
+// X's float4s a pre thread loads beside the block sums (d <= 4096 in one go; more in a loop after).
+constexpr int kHcPreHeld = 4;
+
+template <bool HEAD>
+__global__ void __launch_bounds__(kRowThreads) hc_site_pre_kernel(const HcSiteLaunch a, bool whole_row) {
+  constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
+  // First the row's block sums (nb doubles, then nb x MIX floats), then u ([d / 4]).
+  extern __shared__ float4 site_u[];
+  __shared__ double red[kRowWarps];
+  __shared__ float mix_s[MIX];
+  __shared__ double ss_s;
+  const int row = static_cast<int>(blockIdx.y), tid = static_cast<int>(threadIdx.x);
+  const int64_t d = a.site.d, q4 = d / 4;
+  // This block's 256 elements (64 float4s): thread t's norm weights before the grid wait (constant
+  // data); a whole-row block loads the row's as it writes U.
+  const int64_t q0 = static_cast<int64_t>(blockIdx.x) * (kRowThreads / 4);
+  const bool early_w = !whole_row && a.site.norm_w && tid < kRowThreads / 4 && q0 + tid < q4;
+  const float4 nw = early_w ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q0 + tid)
+                            : make_float4(1.f, 1.f, 1.f, 1.f);
+  ds4_grid_begin();
+  const int i = a.site.lanes != nullptr ? a.site.lanes[row] : row;
+  const float* xi = (a.site.has_post ? a.site.X_out : a.site.X) + static_cast<int64_t>(i) * HC * d;
+  const float4* x4 = reinterpret_cast<const float4*>(xi);
+  float4 held[kHcPreHeld][HC];  // X's first float4s of the thread, loaded beside the block sums
+#pragma unroll
+  for (int c = 0; c < kHcPreHeld; ++c) {
+    const int64_t q = tid + static_cast<int64_t>(c) * kRowThreads;
+#pragma unroll
+    for (int s = 0; s < HC; ++s) held[c][s] = q < q4 ? x4[s * q4 + q] : make_float4(0.f, 0.f, 0.f, 0.f);
+  }
+  // The block sums into shared memory at once (their loads all in flight), then added in block order.
+  const int64_t p0 = static_cast<int64_t>(row) * a.nb;
+  double* parts_ss = reinterpret_cast<double*>(site_u);
+  float* parts_s = reinterpret_cast<float*>(parts_ss + a.nb);
+  for (int j = tid; j < a.nb * MIX; j += kRowThreads) parts_s[j] = a.part_mix[p0 * MIX + j];
+  for (int j = tid; j < a.nb; j += kRowThreads) parts_ss[j] = a.part_ss[p0 + j];
+  __syncthreads();
+  if (tid < MIX) {
+    float m = parts_s[tid];
+#pragma unroll 8
+    for (int j = 1; j < a.nb; ++j) m += parts_s[j * MIX + tid];
+    mix_s[tid] = m;
+  } else if (tid == MIX) {
+    double t = parts_ss[0];
+#pragma unroll 8
+    for (int j = 1; j < a.nb; ++j) t += parts_ss[j];
+    ss_s = t;
+  }
+  __syncthreads();
+  const float rho =
+      static_cast<float>(1.0 / sqrt(ss_s / static_cast<double>(HC * d) + static_cast<double>(a.site.norm_eps)));
+  if constexpr (!HEAD) {  // post, and comb's logits (hc_mix_kernel's part 1 before its Sinkhorn)
+    if (blockIdx.x == 0) {
+      if (tid < HC)
+        a.site.post[i * HC + tid] =
+            2.0f * sigmoid_dev(a.site.scale[1] * (rho * mix_s[HC + tid]) + a.site.base[HC + tid]);
+      else if (tid >= DS4_WARP && tid < DS4_WARP + HC * HC)
+        a.site.comb[i * HC * HC + tid - DS4_WARP] =
+            a.site.scale[2] * (rho * mix_s[2 * HC + tid - DS4_WARP]) + a.site.base[2 * HC + tid - DS4_WARP];
+    }
+  }
+  float pre[HC];  // (the barrier above ends the block sums' use of site_u)
+#pragma unroll
+  for (int s = 0; s < HC; ++s)
+    pre[s] = sigmoid_dev(a.site.scale[0] * (rho * mix_s[s]) + a.site.base[s]) + a.site.hc_eps;
+  // u = sum_s pre_s X[s] (s in order, as hc_mix_kernel) over the whole row, four elements a thread
+  // at a time; its sum of squares in the same order in every block.
+  double uss = 0.0;
+  auto add = [&](int64_t q, const float4 (&xv)[HC]) {
+    float4 t = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+#pragma unroll
+    for (int s = 0; s < HC; ++s) {
+      t.x += pre[s] * xv[s].x;
+      t.y += pre[s] * xv[s].y;
+      t.z += pre[s] * xv[s].z;
+      t.w += pre[s] * xv[s].w;
+    }
+    site_u[q] = t;
+    uss += static_cast<double>(t.x) * t.x;
+    uss += static_cast<double>(t.y) * t.y;
+    uss += static_cast<double>(t.z) * t.z;
+    uss += static_cast<double>(t.w) * t.w;
+  };
+#pragma unroll
+  for (int c = 0; c < kHcPreHeld; ++c)
+    if (tid + static_cast<int64_t>(c) * kRowThreads < q4) add(tid + static_cast<int64_t>(c) * kRowThreads, held[c]);
+  for (int64_t q = tid + static_cast<int64_t>(kHcPreHeld) * kRowThreads; q < q4; q += kRowThreads) {
+    float4 xv[HC];
+#pragma unroll
+    for (int s = 0; s < HC; ++s) xv[s] = x4[s * q4 + q];
+    add(q, xv);
+  }
+  float r = 1.0f;
+  if (a.site.norm_w) {
+    const double ut = block_sum(uss, red);  // its barrier also publishes site_u
+    r = static_cast<float>(1.0 / sqrt(ut / static_cast<double>(d) + static_cast<double>(a.site.norm_eps)));
+  } else {
+    __syncthreads();
+  }
+  // The block's float4s [qb, qe) (its 64, or the row's in a whole-row block: every element's same
+  // arithmetic): U, and its planes from the shared copy (unit_planes_of_row's records).
+  const int64_t qb = whole_row ? 0 : q0;
+  const int64_t qe = whole_row || q0 + kRowThreads / 4 > q4 ? q4 : q0 + kRowThreads / 4;
+  float4* u4 = reinterpret_cast<float4*>(a.site.U + static_cast<int64_t>(row) * d);
+  for (int64_t q = qb + tid; q < qe; q += kRowThreads) {
+    const float4 t = site_u[q];
+    float4 o = t;
+    if (a.site.norm_w) {
+      const float4 w = whole_row ? ds4_ldg(reinterpret_cast<const float4*>(a.site.norm_w) + q) : nw;
+      o = make_float4((t.x * r) * w.x, (t.y * r) * w.y, (t.z * r) * w.z, (t.w * r) * w.w);
+    }
+    u4[q] = o;
+    site_u[q] = o;
+  }
+  if (a.site.planes != nullptr) {
+    __syncthreads();
+    unit_planes_of_row(reinterpret_cast<const float*>(site_u + qb), 4 * (qe - qb),
+                       a.site.planes + static_cast<int64_t>(row) * a.site.ldp + kPlaneBytes * (qb / 8));
+  }
+}
 
 // comb = Sinkhorn(comb's logits) in place, a warp a lane (hc_site's comb; hc_mix_kernel's part 1).
 template <int HC>
@@ -761,16 +725,11 @@ void hc_site(const HcSite& s, Stream st) {
   a.part_ss = reinterpret_cast<double*>(s.scratch);
   a.part_mix = reinterpret_cast<float*>(s.scratch + 8 * parts);
   const cudaStream_t stream = cs(st);
-  // The pre kernel's shared memory: the row's block sums, then u.
-  const size_t smem = std::max<size_t>(static_cast<size_t>(s.d) * sizeof(float),
-                                       static_cast<size_t>(a.nb) * (sizeof(double) + kHcSiteMix * sizeof(float)));
   // Prompt steps: several rows a block, so each block's weights serve them all (the same bits).
   const int per_block = s.n >= kHcSitePromptRows ? 8 : 1;
   const unsigned row_blocks = static_cast<unsigned>((s.n + per_block - 1) / per_block);
-  // With s.done the sums kernel's last block of a row group runs the pre (whole rows): its shared memory.
-  const size_t sums_smem = s.done != nullptr ? smem : 0;
   auto sums = [&](auto kernel) {
-    launch(kernel, dim3(static_cast<unsigned>(a.nb), row_blocks), kRowThreads, sums_smem, stream, a, s.n, per_block);
+    launch(kernel, dim3(static_cast<unsigned>(a.nb), row_blocks), kRowThreads, 0, stream, a, s.n, per_block);
   };
   if (s.head) {
     if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, true>);
@@ -782,7 +741,8 @@ void hc_site(const HcSite& s, Stream st) {
     else sums(hc_site_sums_kernel<kF32, false>);
   }
   DS4_GPU_CHECK_LAUNCH("hc_site_sums_kernel");
-  if (s.done != nullptr) return;  // the sums kernel ran the pre
+  const size_t smem = std::max<size_t>(static_cast<size_t>(s.d) * sizeof(float),
+                                       static_cast<size_t>(a.nb) * (sizeof(double) + kHcSiteMix * sizeof(float)));
   // Prompt steps: a block a row (X read once a row); decode: a block per 256 elements (the same bits).
   const bool whole_row = s.n >= kHcSitePromptRows;
   const dim3 grid(whole_row ? 1u : static_cast<unsigned>((s.d + kRowThreads - 1) / kRowThreads),

@@ -562,62 +562,6 @@ __device__ inline float* attn_q_shared(unsigned char* smem, int cap, int hb) {
   return reinterpret_cast<float*>(smem + attn_split_smem(cap, hb, 0, true));
 }
 
-// The inverse tail RoPE's rotation at position t into shared rc / rs (rope_dim / 2 entries; the whole
-// block, then its barrier).
-__device__ __forceinline__ void attn_rope_inverse(const AttentionLaunch& a, int64_t t, float* rc, float* rs) {
-  for (int j = static_cast<int>(threadIdx.x); j < a.rope_dim / 2; j += static_cast<int>(blockDim.x)) {
-    double s, c;
-    sincos(static_cast<double>(t) * a.inv_freq[j], &s, &c);
-    rc[j] = static_cast<float>(c);
-    rs[j] = -static_cast<float>(s);  // the inverse rotation
-  }
-  __syncthreads();
-}
-
-// Head h of lane li (of n_lanes) merged: its splits with the sink, the inverse tail RoPE (rc, rs), into
-// out; then, with planes, its piece of its member's column (the whole block; FRESH: attn_combine_head).
-template <bool FRESH>
-__device__ __forceinline__ void attn_combine_one(const AttentionLaunch& a, const LaneKeys& k, int li, int n_lanes,
-                                                 int h, const float* rc, const float* rs) {
-  const int64_t head = static_cast<int64_t>(li) * a.n_head + h;
-  attn_combine_head<FRESH>(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
-                           attn_splits(k.n, a.split_min), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc,
-                           rs, a.out + head * a.head_dim);
-  if (a.planes != nullptr) {
-    __syncthreads();  // out's writes, for every thread's planes
-    const int member = h / a.heads_per_member, piece = h % a.heads_per_member;
-    uint8_t* P = a.planes + (static_cast<int64_t>(member) * n_lanes + li) * a.planes_ld +
-                 static_cast<int64_t>(piece) * (a.head_dim / 32) * kPlaneBytes;
-    unit_planes_of_row(a.out + head * a.head_dim, a.head_dim, P);
-  }
-}
-
-// The fused combine (AttentionLaunch::done): every split block of a (lane, head group) fences its
-// partials and counts itself done; the last one merges the group's heads as attention_combine_kernel
-// would (attn_combine_one: the same function, the same order, so the same bits) and resets the count
-// for the next launch. A lane of one split merges at once.
-__device__ __forceinline__ void attn_combine_last(const AttentionLaunch& a, const LaneKeys& k, int li, int h0,
-                                                  int nh) {
-  __shared__ float rc[kAttnMaxRopeHalf], rs[kAttnMaxRopeHalf];
-  __shared__ bool last;
-  const int ns = attn_splits(k.n, a.split_min);
-  __threadfence();  // this block's partials, before it counts itself done
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    last = true;
-    if (ns > 1) {
-      uint32_t* count = a.done + static_cast<int64_t>(li) * a.n_head + h0;
-      last = atomicAdd(count, 1u) == static_cast<uint32_t>(ns - 1);
-      if (last) *count = 0u;  // every split has counted
-    }
-  }
-  __syncthreads();
-  if (!last) return;
-  __threadfence();  // the other splits' partials, after their counts
-  attn_rope_inverse(a, k.t, rc, rs);
-  for (int h = h0; h < h0 + nh; ++h) attn_combine_one<true>(a, k, li, static_cast<int>(gridDim.z), h, rc, rs);
-}
-
 // grid (head groups, splits bound, lanes): one split of one lane for HB heads (rowops.cuh).
 template <int HB>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttentionLaunch a, StepLanes L, int cap) {
@@ -638,19 +582,18 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
   float* stats = a.part_stats + (head * kAttnMaxSplits + c) * 2;
   if (!a.q_raw) {
     attn_split_block<HB>(kp, nk, lg, cap, q, a.head_dim, nh, scale, part, stats);
-  } else {
-    // q_heads_kernel's work (norm_rope_heads, the same bits) on a copy of the group's heads; then the
-    // split reads q from there.
-    static_assert(kAttnThreads == kRowThreads, "q_heads' reductions are written for its 256 threads");
-    __shared__ double red[HB][kRowWarps];
-    float* qs = attn_q_shared(smem, cap, HB);  // [HB][head_dim]
-    const int hd = a.head_dim, elems = nh * hd;
-    for (int e = static_cast<int>(threadIdx.x); e < elems; e += kAttnThreads) qs[e] = q[e];
-    __syncthreads();
-    norm_rope_heads<HB>(qs, nh, hd, a.rope_dim, a.q_eps, L.pos[li], a.inv_freq, red);
-    attn_split_block<HB, true>(kp, nk, lg, cap, qs, hd, nh, scale, part, stats);
+    return;
   }
-  if (a.done != nullptr) attn_combine_last(a, k, li, h0, nh);
+  // q_heads_kernel's work (norm_rope_heads, the same bits) on a copy of the group's heads; then the
+  // split reads q from there.
+  static_assert(kAttnThreads == kRowThreads, "q_heads' reductions are written for its 256 threads");
+  __shared__ double red[HB][kRowWarps];
+  float* qs = attn_q_shared(smem, cap, HB);  // [HB][head_dim]
+  const int hd = a.head_dim, elems = nh * hd;
+  for (int e = static_cast<int>(threadIdx.x); e < elems; e += kAttnThreads) qs[e] = q[e];
+  __syncthreads();
+  norm_rope_heads<HB>(qs, nh, hd, a.rope_dim, a.q_eps, L.pos[li], a.inv_freq, red);
+  attn_split_block<HB, true>(kp, nk, lg, cap, qs, hd, nh, scale, part, stats);
 }
 
 // grid (heads, lanes): the splits of one (lane, head) merged with the sink, then the inverse tail RoPE.
@@ -659,8 +602,25 @@ __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(
   __shared__ float rc[kAttnMaxRopeHalf], rs[kAttnMaxRopeHalf];
   const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
   const LaneKeys k = lane_keys(a, L, li);
-  attn_rope_inverse(a, k.t, rc, rs);
-  attn_combine_one<false>(a, k, li, static_cast<int>(gridDim.y), h, rc, rs);
+  const int half = a.rope_dim / 2;
+  for (int j = static_cast<int>(threadIdx.x); j < half; j += kAttnCombineThreads) {
+    double s, c;
+    sincos(static_cast<double>(k.t) * a.inv_freq[j], &s, &c);
+    rc[j] = static_cast<float>(c);
+    rs[j] = -static_cast<float>(s);  // the inverse rotation
+  }
+  __syncthreads();
+  const int64_t head = static_cast<int64_t>(li) * a.n_head + h;
+  attn_combine_head(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
+                    attn_splits(k.n, a.split_min), a.sinks[h], a.head_dim, (a.head_dim - a.rope_dim) / 2, rc, rs,
+                    a.out + head * a.head_dim);
+  if (a.planes != nullptr) {  // the head's piece of its member's column
+    __syncthreads();
+    const int member = h / a.heads_per_member, piece = h % a.heads_per_member;
+    uint8_t* P = a.planes + (static_cast<int64_t>(member) * gridDim.y + li) * a.planes_ld +
+                 static_cast<int64_t>(piece) * (a.head_dim / 32) * kPlaneBytes;
+    unit_planes_of_row(a.out + head * a.head_dim, a.head_dim, P);
+  }
 }
 
 // The device's opt-in shared memory per block, read once.
@@ -859,7 +819,6 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
                                   " keys per lane do not fit this device's shared memory");
   }
   DS4_GPU_CHECK_LAUNCH("attention_split_kernel");
-  if (a.done != nullptr) return;  // the split blocks merged the heads (attn_combine_last)
   const dim3 grid(static_cast<unsigned>(a.n_head), static_cast<unsigned>(n));
   launch(attention_combine_kernel, grid, kAttnCombineThreads, 0, st, a, L);
   DS4_GPU_CHECK_LAUNCH("attention_combine_kernel");

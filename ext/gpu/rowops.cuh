@@ -426,24 +426,20 @@ __device__ __forceinline__ void attn_split_block(const uint16_t* const* kp, int 
 
 // One (lane, head): merge its ns splits (o: [kAttnMaxSplits][hd], st: [kAttnMaxSplits][2]) with the
 // sink, then turn the pairs from tail0 on by (rc[k], rs[k]), k = pair - tail0 (tail0 >= hd / 2:
-// none), into dst[hd]. Any block size; every thread derives the same weights. FRESH: the partials
-// were written by other blocks of the running launch (the split kernel's fused combine), so they are
-// read from L2 (ds4_ldcg), never through a cache that may hold older lines; the same values.
-template <bool FRESH = false>
+// none), into dst[hd]. Any block size; every thread derives the same weights.
 __device__ __forceinline__ void attn_combine_head(const float* __restrict__ o, const float* __restrict__ st, int ns,
                                                   float sink, int hd, int tail0, const float* rc, const float* rs,
                                                   float* __restrict__ dst) {
-  auto ld = [](const float* p) { return FRESH ? ds4_ldcg(p) : *p; };
   float mx = sink;
-  for (int c = 0; c < ns; ++c) mx = fmaxf(mx, ld(st + 2 * c));
+  for (int c = 0; c < ns; ++c) mx = fmaxf(mx, st[2 * c]);
   float w[kAttnMaxSplits];
   float den = expf(sink - mx);
 #pragma unroll
   for (int c = 0; c < kAttnMaxSplits; ++c) {
     w[c] = 0.0f;
     if (c < ns) {
-      w[c] = expf(ld(st + 2 * c) - mx);
-      den += ld(st + 2 * c + 1) * w[c];
+      w[c] = expf(st[2 * c] - mx);
+      den += st[2 * c + 1] * w[c];
     }
   }
   const float inv = 1.0f / den;
@@ -453,8 +449,8 @@ __device__ __forceinline__ void attn_combine_head(const float* __restrict__ o, c
     for (int c = 0; c < kAttnMaxSplits; ++c)
       if (c < ns) {
         const float* oc = o + static_cast<int64_t>(c) * hd + 2 * e2;
-        x0 += w[c] * ld(oc);
-        x1 += w[c] * ld(oc + 1);
+        x0 += w[c] * oc[0];
+        x1 += w[c] * oc[1];
       }
     x0 *= inv;
     x1 *= inv;

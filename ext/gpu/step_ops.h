@@ -90,10 +90,6 @@ struct HcSite {
   int64_t ldp = 0;
   uint8_t* scratch = nullptr;
   int scratch_rows = 0;
-  // The pre in the sums kernel (null: a launch of its own): the nb sum blocks of a row group count
-  // themselves done here (a counter a group, at least ceil(n / 8) of them, zero before a launch and
-  // after it), and the last one runs the pre kernel's whole-row work for the group's rows (the same bits).
-  uint32_t* done = nullptr;
 };
 bool hc_site_takes(int hc, int64_t d, int fn_type);
 uint64_t hc_site_scratch_bytes(int rows, int64_t d);
@@ -202,14 +198,9 @@ struct AttentionLaunch {
   bool q_raw = false;
   float q_eps = 0.0f;
   int split_min = 0;  // the fewest keys a split (rowops.cuh attn_split_keys): set by attention_paged
-  // The combine in the split kernel (null: a launch of its own): a lane's split blocks of a head group
-  // count themselves done here ([lanes][n_head] counters, zero before a launch and after it), and the
-  // last one merges the group's heads, with the combine kernel's arithmetic (the same bits).
-  uint32_t* done = nullptr;
 };
 // Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
-// key count only), then a second kernel (or, with done, the group's last split block) merges the
-// splits per (lane, head) in a fixed order.
+// key count only), then a second kernel merges the splits per (lane, head) in a fixed order.
 void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream s);
 // Measurement settings of the attention's launch (process-wide: testing::set_attn_heads and
 // set_attn_split_min, ds4_gpu.h; the engine keys its graphs by both).

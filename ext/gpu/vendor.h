@@ -219,16 +219,6 @@ DS4_HD T ds4_ldcg(const T* p) {
   return *static_cast<const volatile T*>(p);
 #endif
 }
-// The same for a float4 (one 16-byte load on CUDA; HIP: its four floats, as a volatile vector type
-// does not copy).
-DS4_HD float4 ds4_ldcg(const float4* p) {
-#if defined(DS4_CUDA) && defined(__CUDA_ARCH__)
-  return __ldcg(p);
-#else
-  const float* f = reinterpret_cast<const float*>(p);
-  return make_float4(ds4_ldcg(f), ds4_ldcg(f + 1), ds4_ldcg(f + 2), ds4_ldcg(f + 3));
-#endif
-}
 
 // --- warp-scope copies into shared memory (matvec.cuh's chunked weight loads) -----------------
 // ds4_cp_async16(dst, src): copy 16 bytes, global -> shared (16-byte aligned both). On sm_80+ an

@@ -9,18 +9,10 @@ as a stable sort by expert, after any number of launches (each leaves its block 
 q_heads in the attention (step_ops.h AttentionLaunch::q_raw): each split block applies the per-head
 RMSNorm and tail RoPE to its heads of q in shared memory instead of a q_heads launch before it.
 
-The combine in the attention (pass 36, AttentionLaunch::done): the last split block of a lane's head
-group to finish merges the group's heads, instead of a combine launch after the splits.
-
-The pre in the mHC site's sums kernel (pass 37, HcSite::done): the last sums block of a row group to
-finish runs the pre kernel's whole-row work for the group's rows, instead of a pre launch after the sums.
-
-In the engine (``use_route_fused``, ``use_attn_q_fused``, ``use_attn_combine_fused``,
-``use_hc_pre_fused``) each switch on must give the logits of all off, eager and under graphs, on steps
-the fusions take (the engine runs the fused router up to 4 lanes, q_heads in the attention up to 2, the
-fused combine and pre at any width) and
-steps they do not, over tiny's hash-routed layer, its top-k layers and its CSA layer past the
-indexer's top-k. The cases' prompts (up to 60 tokens) give lanes of one split and of several.
+In the engine (``use_route_fused``, ``use_attn_q_fused``) each switch on must give the logits of
+both off, eager and under graphs, on steps the fusions take (the engine runs the fused router up to
+4 lanes and q_heads in the attention up to 2) and steps they do not, over tiny's hash-routed layer,
+its top-k layers and its CSA layer past the indexer's top-k.
 
 Marked ``gpu``. Hook (``_testing``): ``gpu_router_route(w_type, w_raw, X, bias, k, tokens,
 tid2eid=None, norm=True, scale=1.0, max_part=8, repeat=1) -> (logits, ids, weights, sorted, parts)``
@@ -151,25 +143,24 @@ def tiny_gpu(tmp_path_factory):
     return synth_tiny_gpu(tmp_path_factory, 12, max_slots=4, max_rows=40)
 
 
-SWITCHES = ("use_route_fused", "use_attn_q_fused", "use_attn_combine_fused", "use_hc_pre_fused")
-
-
-def fusion_runs(mf, gpu, switch: str) -> None:
-    """The logits with `switch` on (and the other fusions off) against all off: the same bits, eager
-    and under graphs (each switch is part of the graph key): steps of one and two decode lanes
-    (every fusion runs), prompts packed beside decode lanes and 12-row prompt chunks (only the fused
-    combine and pre run). Leaves every switch on (the defaults) and graphs as they were."""
+@pytest.mark.parametrize("switch", ["use_route_fused", "use_attn_q_fused"])
+def test_engine_fusion_changes_no_bit(tiny_gpu, switch: str) -> None:
+    """The engine's logits with one fusion on and both off: the same bits, eager and under graphs
+    (each switch is part of the graph key): steps of one and two decode lanes (both fusions run),
+    prompts packed beside decode lanes and 12-row prompt chunks (neither runs)."""
     from tests.engine_cases import Seq, prompt, run
 
+    mf, gpu = tiny_gpu
     seqs = [
         Seq(prompt(mf, 5, 60), slot=0, pages=[1, 2], rows=12),
         Seq(prompt(mf, 6, 9), slot=1, pages=[3, 5], rows=1),
         Seq(prompt(mf, 7, 14), slot=2, pages=[6, 7], rows=5, start=2),
         Seq(prompt(mf, 8, 6), slot=3, pages=[8, 9], rows=1, start=1),
     ]
+    switches = ("use_route_fused", "use_attn_q_fused")
 
     def under(on: bool, graphs: bool):
-        for name in SWITCHES:
+        for name in switches:
             setattr(gpu, name, on and name == switch)
         gpu.use_graphs = graphs
         for s in range(4):
@@ -178,32 +169,12 @@ def fusion_runs(mf, gpu, switch: str) -> None:
 
     graphs_before = gpu.use_graphs
     try:
-        assert all(getattr(gpu, name) is True for name in SWITCHES)  # the defaults
+        assert all(getattr(gpu, name) is True for name in switches)  # the defaults
         off = under(False, False)
         for on, graphs in ((True, False), (True, True), (False, True)):
             got = under(on, graphs)
             assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(got, off)), (on, graphs)
     finally:
-        for name in SWITCHES:
+        for name in switches:
             setattr(gpu, name, True)
         gpu.use_graphs = graphs_before
-
-
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_engine_fusion_changes_no_bit(tiny_gpu, switch: str) -> None:
-    """Each fusion alone against none (fusion_runs), at the default split size: the tiny model's
-    lanes take one or two splits of the attention."""
-    mf, gpu = tiny_gpu
-    fusion_runs(mf, gpu, switch)
-
-
-def test_engine_fused_combine_at_many_splits(tiny_gpu) -> None:
-    """At 8 keys a split the lanes take up to 8 splits, so the fused combine's last block merges many
-    partials, and each count reaches 8 before it is reset for the next layer and step: still the
-    combine launch's bits, eager and under graphs."""
-    mf, gpu = tiny_gpu
-    try:
-        assert T.gpu_set_attn_split_min(8) == 8
-        fusion_runs(mf, gpu, "use_attn_combine_fused")
-    finally:
-        T.gpu_set_attn_split_min(-1)

@@ -215,7 +215,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "tall2": False, "int8": True, "imma": -1, "immag": -1, "immarows": -1, "immaahead": -1,
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
-                   "hcfused": True, "routefused": True, "attnq": True, "attncomb": True, "hcprefused": True, "comppar": True, "attnheads": -1,
+                   "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
                    "splitmin": -1, "immaindep": -1}
 
 
@@ -252,8 +252,6 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     runner._impl.use_hc_fused = want["hcfused"]
     runner._impl.use_route_fused = want["routefused"]
     runner._impl.use_attn_q_fused = want["attnq"]
-    runner._impl.use_attn_combine_fused = want["attncomb"]
-    runner._impl.use_hc_pre_fused = want["hcprefused"]
     runner._impl.use_parallel_compressor = want["comppar"]
     _native._testing.gpu_set_attn_heads(want["attnheads"])
     _native._testing.gpu_set_attn_split_min(want["splitmin"])
