@@ -20,6 +20,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_set_matvec_persistent "ds4::gpu::testing::set_matvec_persistent"(cbool on) except +
     void gpu_set_matvec_tall_stages "ds4::gpu::testing::set_matvec_tall_stages"(int stages) except +
     int64_t gpu_set_matvec_tall_min_k "ds4::gpu::testing::set_matvec_tall_min_k"(int64_t k) except +
+    int64_t gpu_set_matvec_staged_min_rows "ds4::gpu::testing::set_matvec_staged_min_rows"(int64_t rows) except +
     void gpu_set_matvec_grouped "ds4::gpu::testing::set_matvec_grouped"(int variant, int stages, int width) except +
     int gpu_set_matvec_grouped_groups "ds4::gpu::testing::set_matvec_grouped_groups"(int groups) except +
     int gpu_set_attn_heads "ds4::gpu::testing::set_attn_heads"(int heads) except +
@@ -358,6 +359,13 @@ def _t_gpu_set_matvec_tall_min_k(int64_t k):
     return int(gpu_set_matvec_tall_min_k(k))
 
 
+def _t_gpu_set_matvec_staged_min_rows(int64_t rows):
+    """The fewest rows a matrix needs to take the staged matvec kernel (its columns in shared memory;
+    with at least the engine's staged_min_cols columns), process-wide: 1 or more, -1 back to the
+    default, 512. Returns the value in force (the bits never change)."""
+    return int(gpu_set_matvec_staged_min_rows(rows))
+
+
 def _t_gpu_set_matvec_grouped(int variant, int stages=0, int width=0):
     """Which grouped kernel Q4_K expert products take, process-wide: 0 pass 5, 1 the own body,
     2 the own body with the one-fma decode; stages 2..4 the own body's copy stages and width 1, 2, 4
@@ -628,6 +636,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_persistent=_t_gpu_set_matvec_persistent,
     gpu_set_matvec_tall_stages=_t_gpu_set_matvec_tall_stages,
     gpu_set_matvec_tall_min_k=_t_gpu_set_matvec_tall_min_k,
+    gpu_set_matvec_staged_min_rows=_t_gpu_set_matvec_staged_min_rows,
     gpu_set_matvec_grouped=_t_gpu_set_matvec_grouped,
     gpu_set_matvec_grouped_groups=_t_gpu_set_matvec_grouped_groups,
     gpu_set_attn_heads=_t_gpu_set_attn_heads,

@@ -112,6 +112,11 @@ void set_matvec_tall_stages(int stages);
 // -1 back to the environment's value or the default. Same bits; the engine keys its graphs by it.
 void set_matvec_tall_min_k(int64_t k);
 int64_t matvec_tall_min_k();
+// The fewest rows a matrix must have to take the staged kernel (matvec.cuh kStagedMinRows, 512; -1 back
+// to it). A measurement setting (pass 36 call 3: the router's 256 rows keep the direct kernel, L2-bound
+// in prompt steps). Same bits; the engine keys its graphs by it.
+void set_matvec_staged_min_rows(int64_t rows);
+int64_t matvec_staged_min_rows();
 // The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and
 // width, matvec.cuh) as one number: a CUDA graph bakes in the kernels chosen at its capture, so
 // the engine keys its graphs by it.
@@ -169,6 +174,8 @@ void set_matvec_persistent(bool on);
 void set_matvec_tall_stages(int stages);
 // ds4::gpu::set_matvec_tall_min_k; returns matvec_tall_min_k() after it.
 int64_t set_matvec_tall_min_k(int64_t k);
+// ds4::gpu::set_matvec_staged_min_rows; returns matvec_staged_min_rows() after it.
+int64_t set_matvec_staged_min_rows(int64_t rows);
 // variant as ds4::gpu::set_matvec_grouped's; stages 2..4 the own kernel's copy stages, width 1, 2,
 // 4 or 8 its widest sub-part (each 0: keep, -1: the default).
 void set_matvec_grouped(int variant, int stages = 0, int width = 0);
@@ -232,6 +239,7 @@ inline void set_matvec_chunked(bool) { no_backend(); }
 inline void set_matvec_persistent(bool) { no_backend(); }
 inline void set_matvec_tall_stages(int) { no_backend(); }
 inline int64_t set_matvec_tall_min_k(int64_t) { no_backend(); }
+inline int64_t set_matvec_staged_min_rows(int64_t) { no_backend(); }
 inline void set_matvec_grouped(int, int = 0, int = 0) { no_backend(); }
 inline int set_matvec_grouped_groups(int) { no_backend(); }
 inline int set_attn_heads(int) { no_backend(); }

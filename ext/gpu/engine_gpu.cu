@@ -256,7 +256,7 @@ struct GpuEngine::Impl {
   // and fewest keys a split, step_ops.h; the prompt tiles' independent MMAs, imma.h).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool, int, int, int>;
+                 bool, bool, int, int, int, int64_t>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -1143,7 +1143,7 @@ void GpuEngine::Impl::run_graph() {
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
                      hc_fused, route_fused, attn_q_fused, parallel_compressor, attn_heads_setting(),
-                     attn_split_min(), matvec_imma_indep()};
+                     attn_split_min(), matvec_imma_indep(), matvec_staged_min_rows()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

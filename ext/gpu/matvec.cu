@@ -470,7 +470,7 @@ size_t staged_wbuf_bytes_of(DType t) {
   }
 }
 int staged_pieces(const TensorView& W, int nc, int staged_min) {
-  if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < kStagedMinRows) return 0;
+  if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < matvec_staged_min_rows()) return 0;
   matvec_prepare();
   const size_t per_col = static_cast<size_t>(staged_col4(W.ne[0])) * 16;
   const size_t wbuf = staged_wbuf_bytes_of(W.type);
@@ -501,6 +501,7 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 }
 
 std::atomic<int> g_tall_min_k{-1};  // -1: not read from the environment yet
+std::atomic<int64_t> g_staged_min_rows{kStagedMinRows};  // the staged kernel's fewest rows (a measurement setting)
 
 // The tall variant's least row width: 2048 by default (pass 16's timeline of a C=1 step: q_b's 1024
 // elements a row on the tall kernel, one chunk a row block and two row blocks a block, the second
@@ -1056,6 +1057,13 @@ void set_matvec_tall_min_k(int64_t k) {
 }
 
 int64_t matvec_tall_min_k() { return tall_min_k_now(); }
+
+void set_matvec_staged_min_rows(int64_t rows) {
+  if (rows != -1 && rows < 1) throw std::invalid_argument("staged kernel's fewest rows: 1 or more (-1: 512)");
+  g_staged_min_rows.store(rows < 0 ? kStagedMinRows : rows, std::memory_order_relaxed);
+}
+
+int64_t matvec_staged_min_rows() { return g_staged_min_rows.load(std::memory_order_relaxed); }
 
 void set_matvec_grouped(int variant, int stages, int width) {
   if (variant < kGroupedPass5 || variant > kGroupedOwnFast)

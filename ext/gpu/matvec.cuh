@@ -666,7 +666,9 @@ __global__ void __launch_bounds__(kMatvecThreads, matvec_min_blocks(NC))
 constexpr int kStagedThreads = 256;
 constexpr int kStagedWarps = kStagedThreads / DS4_WARP;
 constexpr int kStagedRows = 4;  // rows a warp carries (R); R never changes a result
-constexpr int64_t kStagedMinRows = 512;  // shorter matrices keep the direct kernel (too few row blocks)
+// Shorter matrices keep the direct kernel (too few row blocks), unless set_matvec_staged_min_rows
+// (ds4_gpu.h) says otherwise; R and the kernel never change a result.
+constexpr int64_t kStagedMinRows = 512;
 
 template <int T>
 __device__ __forceinline__ int staged_chunk(int64_t k) {

@@ -168,6 +168,11 @@ int64_t set_matvec_tall_min_k(int64_t k) {
   return ds4::gpu::matvec_tall_min_k();
 }
 
+int64_t set_matvec_staged_min_rows(int64_t rows) {
+  ds4::gpu::set_matvec_staged_min_rows(rows);
+  return ds4::gpu::matvec_staged_min_rows();
+}
+
 void set_matvec_grouped(int variant, int stages, int width) {
   ds4::gpu::set_matvec_grouped(variant, stages, width);
 }

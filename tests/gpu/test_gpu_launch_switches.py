@@ -15,6 +15,8 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
   direct kernel.
 - ``gpu_set_attn_heads(n) -> n``: the split attention's heads a block (1, 2 or 4; -1 the rule, which
   returns 0).
+- ``gpu_set_matvec_staged_min_rows(rows) -> rows``: the fewest rows a matrix needs to take the staged
+  kernel (default 512, -1 back to it); at 64 most of tiny's products of two or more columns take it.
 
 One measurement setting here does change bits: ``gpu_set_attn_split_min(keys) -> keys``, the
 attention's fewest keys a split (8..256 in steps of 8, -1 the default 64). Decode and prompt steps
@@ -59,6 +61,7 @@ def restore_pdl():
     T.gpu_set_matvec_tall_min_k(-1)
     T.gpu_set_attn_heads(-1)
     T.gpu_set_attn_split_min(-1)
+    T.gpu_set_matvec_staged_min_rows(-1)
 
 
 def set_persistent(on: bool) -> bool:
@@ -76,6 +79,12 @@ def set_tall_min_k(on: bool) -> bool:
     return True
 
 
+def set_staged_min_rows(on: bool) -> bool:
+    """The staged kernel from 64 rows against its default 512."""
+    assert T.gpu_set_matvec_staged_min_rows(64 if on else -1) == (64 if on else 512)
+    return True
+
+
 def set_attn_heads(on: bool) -> bool:
     """One head a block against the rule (two at one or two lanes, four beyond)."""
     assert T.gpu_set_attn_heads(1 if on else -1) == (1 if on else 0)
@@ -83,7 +92,7 @@ def set_attn_heads(on: bool) -> bool:
 
 
 SWITCHES = {"pdl": lambda on: T.gpu_set_pdl(on), "persistent": set_persistent, "tall2": set_tall_stages,
-            "tallk": set_tall_min_k, "attnheads": set_attn_heads}
+            "tallk": set_tall_min_k, "attnheads": set_attn_heads, "stagedrows": set_staged_min_rows}
 
 
 def cases(mf) -> list[list[Seq]]:

@@ -53,7 +53,8 @@ includes the plan upload, every kernel and the logits download). Method:
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
   other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow Q8_0 tile; -1 the
-  default, 2); joined by ':', variants by ','; what a variant does not name is at its default):
+  default, 2), `stagedrows=N` the fewest rows a matrix takes the staged kernel from (-1 the default,
+  512); joined by ':', variants by ','; what a variant does not name is at its default):
   prefill and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8`,
   `hcfused` and `splitmin`);
@@ -216,7 +217,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
                    "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
-                   "splitmin": -1, "immaindep": -1}
+                   "splitmin": -1, "immaindep": -1, "stagedrows": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -226,7 +227,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
         if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
-                   "attnheads", "splitmin", "immaindep"):
+                   "attnheads", "splitmin", "immaindep", "stagedrows"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -256,6 +257,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_attn_heads(want["attnheads"])
     _native._testing.gpu_set_attn_split_min(want["splitmin"])
     _native._testing.gpu_set_matvec_imma_indep(want["immaindep"])
+    _native._testing.gpu_set_matvec_staged_min_rows(want["stagedrows"])
 
 
 class Runs:
