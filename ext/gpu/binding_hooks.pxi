@@ -25,6 +25,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_matvec_grouped_groups "ds4::gpu::testing::set_matvec_grouped_groups"(int groups) except +
     int gpu_set_attn_heads "ds4::gpu::testing::set_attn_heads"(int heads) except +
     int gpu_set_attn_split_min "ds4::gpu::testing::set_attn_split_min"(int keys) except +
+    int gpu_set_hc_site_streams "ds4::gpu::testing::set_hc_site_streams"(int streams) except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
                                                                 int staged_min) except +
@@ -394,6 +395,13 @@ def _t_gpu_set_attn_split_min(int keys):
     return int(gpu_set_attn_split_min(keys))
 
 
+def _t_gpu_set_hc_site_streams(int streams):
+    """The mHC site's streams a sums thread, process-wide: 1 or 2, or -1 for the default (1). It changes
+    the bits, alike in decode and prompt steps, so every contract holds within one setting. Returns the
+    setting now."""
+    return int(gpu_set_hc_site_streams(streams))
+
+
 def _t_gpu_rms_norm(X, w, float eps):
     """RMSNorm of each row of X (w None: unweighted) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -641,6 +649,7 @@ _GPU_TESTING = dict(
     gpu_set_matvec_grouped_groups=_t_gpu_set_matvec_grouped_groups,
     gpu_set_attn_heads=_t_gpu_set_attn_heads,
     gpu_set_attn_split_min=_t_gpu_set_attn_split_min,
+    gpu_set_hc_site_streams=_t_gpu_set_hc_site_streams,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
     gpu_swiglu=_t_gpu_swiglu,

@@ -253,10 +253,11 @@ struct GpuEngine::Impl {
   // the L2 prefetch; the integer tensor cores' two thresholds and narrow-tile settings, imma.h; the
   // producer-built planes; the step branches; the own grouped kernel's row groups; the tall variant's
   // least row width; the fused mHC sites, router, q path and compressor; the attention's heads a block
-  // and fewest keys a split, step_ops.h; the prompt tiles' independent MMAs, imma.h).
+  // and fewest keys a split, step_ops.h; the prompt tiles' independent MMAs, imma.h; the staged kernel's
+  // fewest rows; the mHC site's streams a sums thread).
   using GraphKey =
       std::tuple<int, int, int, bool, int, int, bool, int, int, int, bool, bool, bool, bool, int, int64_t, bool, bool,
-                 bool, bool, int, int, int, int64_t>;
+                 bool, bool, int, int, int, int64_t, int>;
   std::map<GraphKey, cudaGraphExec_t> graph_cache;
   int graphs_captured = 0;
 
@@ -1143,7 +1144,7 @@ void GpuEngine::Impl::run_graph() {
                      prefetch, matvec_imma(), matvec_imma_grouped(), matvec_imma_narrow_rows(), matvec_imma_ahead(),
                      matvec_imma_persist(), planes_fused(), branches, matvec_grouped_groups(), matvec_tall_min_k(),
                      hc_fused, route_fused, attn_q_fused, parallel_compressor, attn_heads_setting(),
-                     attn_split_min(), matvec_imma_indep(), matvec_staged_min_rows()};
+                     attn_split_min(), matvec_imma_indep(), matvec_staged_min_rows(), hc_site_streams()};
   auto it = graph_cache.find(key);
   if (it == graph_cache.end()) {
     if (graph_cache.size() >= kMaxGraphs) {

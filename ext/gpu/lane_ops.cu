@@ -32,7 +32,9 @@
 // moe_value          (no launch of its own) the MoE output, hc_post_moe's y: the weighted expert sum
 //                    in selection order, plus the shared expert.
 #include <algorithm>
+#include <atomic>
 #include <string>
+#include <type_traits>
 
 #include "launch.cuh"
 #include "matvec.cuh"  // the ggml type ids kF32, kF16, kBF16
@@ -276,12 +278,15 @@ __device__ __forceinline__ float fn_weight(const uint8_t* __restrict__ row, int6
 // One mHC site in two launches (pass 17; step_ops.h hc_site), instead of hc_post, the projection's
 // matvec and hc_mix. HC = 4 streams, 256 threads a block; row j of the call runs lane lanes[j] (or j).
 //
-// hc_site_sums_kernel, grid (nb = HC * ceil(d / 256), rows / R; R = 8 rows a block from kHcSitePromptRows rows,
-// each applying the block's weights, loaded once, else 1): block b takes stream k = b / (nb / HC) and elements e =
-// 256 (b % (nb / HC)) + t: x = X[i][k][e] after the post of the sublayer that ends here (has_post: hc_post_one, the
-// hc_post kernel's bits, written to Xout: the other streams' blocks still read X), then the block's part of rho's
-// sum of squares (double) and of the projection, sum_e fn[r][k d + e] x for each of the MIX rows (the butterfly,
-// then block_sum's tree), into part_ss / part_mix [j][b].
+// hc_site_sums_kernel, grid (nb = (HC / SP) ceil(d / 256), rows / R; R = 8 rows a block from kHcSitePromptRows
+// rows, each applying the block's weights, loaded once, else 1), SP streams a thread (hc_site_streams(): 1 or 2):
+// block b takes streams k = SP (b / (nb SP / HC)) .. k + SP - 1 and elements e = 256 (b % (nb SP / HC)) + t: for
+// each, x = X[i][k][e] after the post of the sublayer that ends here (has_post: hc_post_one, the hc_post kernel's
+// bits, written to Xout: the other streams' blocks still read X), then the block's part of rho's sum of squares
+// (double; a thread's SP squares in stream order) and of the projection, sum fn[r][k d + e] x for each of the MIX
+// rows (a thread's SP products in stream order, then warp_sums's butterfly bits, then block_sum's tree), into
+// part_ss / part_mix [j][b]. Two streams a thread read the lane's X row and its post input y once for both and
+// halve the block sums; the bits differ from one stream a thread's (pass 39).
 //
 // hc_site_pre_kernel, grid (ceil(d / 256), rows), or (1, rows) from kHcSitePromptRows rows (whole_row: a block a
 // row, X read once a row, every element's same arithmetic): every block adds the row's nb block sums in block order
@@ -302,50 +307,67 @@ struct HcSiteLaunch {
   float* part_mix;  // [rows][nb][MIX], after them
 };
 
-template <int WT, bool HEAD>
-__global__ void __launch_bounds__(kRowThreads) hc_site_sums_kernel(const HcSiteLaunch a, int rows, int rows_per_block) {
+template <int WT, bool HEAD, int SP>
+__global__ void __launch_bounds__(kRowThreads, SP == 1 ? 0 : 2)
+    hc_site_sums_kernel(const HcSiteLaunch a, int rows, int rows_per_block) {
   constexpr int HC = kHcSiteStreams, MIX = HEAD ? HC : kHcSiteMix;
+  static_assert(HC % SP == 0 && MIX <= DS4_WARP, "whole stream groups; a lane holds one sum at the end");
   __shared__ double red[kRowWarps];
   __shared__ float red_mix[kRowWarps][MIX];
   const int b = static_cast<int>(blockIdx.x), tid = static_cast<int>(threadIdx.x);
   const int warp = tid / DS4_WARP, lane = tid % DS4_WARP;
   const int64_t d = a.site.d;
-  const int slices = a.nb / HC, k = b / slices;
-  const int64_t e = static_cast<int64_t>(b - k * slices) * kRowThreads + tid;
+  const int slices = a.nb / (HC / SP), k0 = (b / slices) * SP;
+  const int64_t e = static_cast<int64_t>(b % slices) * kRowThreads + tid;
+  const int slot = warp_sums_slot<MIX>(lane);  // the projection row whose warp sum this lane ends with
   // The block's weights before the grid wait (constant data), so their latency hides behind the
   // previous kernel's tail; then applied to each of the block's rows in turn (every row the same
   // arithmetic, whichever block and however many rows a block: the same bits).
-  float wt[MIX];
+  float wt[SP][MIX];
 #pragma unroll
-  for (int r = 0; r < MIX; ++r) wt[r] = e < d ? fn_weight<WT>(a.site.fn + r * a.site.fn_row_bytes, k * d + e) : 0.0f;
+  for (int s = 0; s < SP; ++s)
+#pragma unroll
+    for (int r = 0; r < MIX; ++r)
+      wt[s][r] = e < d ? fn_weight<WT>(a.site.fn + r * a.site.fn_row_bytes, (k0 + s) * d + e) : 0.0f;
   ds4_grid_begin();
   const int row0 = static_cast<int>(blockIdx.y) * rows_per_block;
   for (int row = row0; row < row0 + rows_per_block && row < rows; ++row) {
     const int i = a.site.lanes != nullptr ? a.site.lanes[row] : row;
     const float* x = a.site.X + static_cast<int64_t>(i) * HC * d;
-    float v = 0.0f;
+    float v[SP];
+#pragma unroll
+    for (int s = 0; s < SP; ++s) v[s] = 0.0f;
     if (e < d) {
       if (a.site.has_post) {  // post and comb of the lane: the same few values for every thread (L1)
         const float ye = a.moe.D != nullptr ? moe_value(a.moe, d, i, e) : a.site.Y[static_cast<int64_t>(i) * d + e];
         float old[HC];
 #pragma unroll
         for (int j = 0; j < HC; ++j) old[j] = x[j * d + e];
-        v = hc_post_one<HC>(old, HC, k, ye, a.site.post + i * HC, a.site.comb + i * HC * HC);
-        a.site.X_out[static_cast<int64_t>(i) * HC * d + k * d + e] = v;
+#pragma unroll
+        for (int s = 0; s < SP; ++s) {
+          v[s] = hc_post_one<HC>(old, HC, k0 + s, ye, a.site.post + i * HC, a.site.comb + i * HC * HC);
+          a.site.X_out[static_cast<int64_t>(i) * HC * d + (k0 + s) * d + e] = v[s];
+        }
       } else {
-        v = x[k * d + e];
+#pragma unroll
+        for (int s = 0; s < SP; ++s) v[s] = x[(k0 + s) * d + e];
       }
     }
-    // The MIX warp sums by halving rounds (warp_sums: warp_sum's bits in NV - 1 shuffles, where 5 MIX
+    // The MIX warp sums by halving rounds (warp_sums: warp_sum's bits in about MIX shuffles, where 5 MIX
     // butterfly shuffles a row bounded the prompt step's sums kernel, pass 24).
-    constexpr int NV = MIX <= 4 ? 4 : MIX <= 8 ? 8 : MIX <= 16 ? 16 : 32, per = DS4_WARP / NV;
-    static_assert(MIX <= DS4_WARP, "a lane holds one sum at the end");
-    float acc[NV];
+    float acc[MIX];
 #pragma unroll
-    for (int r = 0; r < NV; ++r) acc[r] = r < MIX ? wt[r] * v : 0.0f;
-    warp_sums<NV>(acc, lane);
-    if (lane % per == 0 && lane / per < MIX) red_mix[warp][lane / per] = acc[0];
-    const double ss = block_sum(static_cast<double>(v) * v, red);  // its barrier also publishes red_mix
+    for (int r = 0; r < MIX; ++r) {
+      acc[r] = wt[0][r] * v[0];
+#pragma unroll
+      for (int s = 1; s < SP; ++s) acc[r] = fmaf(wt[s][r], v[s], acc[r]);
+    }
+    warp_sums<MIX>(acc, lane);
+    if (slot >= 0) red_mix[warp][slot] = acc[0];
+    double sq = static_cast<double>(v[0]) * v[0];
+#pragma unroll
+    for (int s = 1; s < SP; ++s) sq = fma(static_cast<double>(v[s]), static_cast<double>(v[s]), sq);
+    const double ss = block_sum(sq, red);  // its barrier also publishes red_mix
     const int64_t part = static_cast<int64_t>(row) * a.nb + b;
     if (tid == 0) a.part_ss[part] = ss;
     if (tid < MIX) {
@@ -694,10 +716,27 @@ void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float
 // block a row (each the same arithmetic a row: the same bits at any row count).
 constexpr int kHcSitePromptRows = 64;
 
-int64_t hc_site_blocks(int64_t d) { return kHcSiteStreams * ((d + kRowThreads - 1) / kRowThreads); }
+namespace {
+std::atomic<int> g_hc_site_streams{kHcSiteStreamsAThread};
+}  // namespace
+
+int hc_site_streams() { return g_hc_site_streams.load(std::memory_order_relaxed); }
+
+namespace testing {
+int set_hc_site_streams(int streams) {
+  if (streams != -1 && streams != 1 && streams != 2)
+    throw std::invalid_argument("mHC site streams a sums thread: 1 or 2 (-1: the default), not " +
+                                std::to_string(streams));
+  g_hc_site_streams.store(streams < 0 ? kHcSiteStreamsAThread : streams, std::memory_order_relaxed);
+  return hc_site_streams();
+}
+}  // namespace testing
+
+// The sums kernel's blocks a row with sp streams a thread.
+int64_t hc_site_blocks(int64_t d, int sp) { return kHcSiteStreams / sp * ((d + kRowThreads - 1) / kRowThreads); }
 
 uint64_t hc_site_scratch_bytes(int rows, int64_t d) {
-  const int64_t parts = static_cast<int64_t>(rows) * hc_site_blocks(d);
+  const int64_t parts = static_cast<int64_t>(rows) * hc_site_blocks(d, 1);  // the most blocks of any setting
   return static_cast<uint64_t>(8 * parts + 4 * parts * kHcSiteMix);
 }
 
@@ -719,7 +758,8 @@ void hc_site(const HcSite& s, Stream st) {
   HcSiteLaunch a{};
   a.site = s;
   a.moe = MoeSum{s.D, s.w, s.SH, s.k};
-  a.nb = static_cast<int>(hc_site_blocks(s.d));
+  const int sp = hc_site_streams();
+  a.nb = static_cast<int>(hc_site_blocks(s.d, sp));
   // The scratch (hc_site_scratch_bytes of scratch_rows >= n): the doubles, then the floats.
   const int64_t parts = static_cast<int64_t>(s.scratch_rows) * a.nb;
   a.part_ss = reinterpret_cast<double*>(s.scratch);
@@ -731,15 +771,20 @@ void hc_site(const HcSite& s, Stream st) {
   auto sums = [&](auto kernel) {
     launch(kernel, dim3(static_cast<unsigned>(a.nb), row_blocks), kRowThreads, 0, stream, a, s.n, per_block);
   };
-  if (s.head) {
-    if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, true>);
-    else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, true>);
-    else sums(hc_site_sums_kernel<kF32, true>);
-  } else {
-    if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, false>);
-    else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, false>);
-    else sums(hc_site_sums_kernel<kF32, false>);
-  }
+  auto sums_of = [&](auto streams) {
+    constexpr int SP = decltype(streams)::value;
+    if (s.head) {
+      if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, true, SP>);
+      else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, true, SP>);
+      else sums(hc_site_sums_kernel<kF32, true, SP>);
+    } else {
+      if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, false, SP>);
+      else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, false, SP>);
+      else sums(hc_site_sums_kernel<kF32, false, SP>);
+    }
+  };
+  if (sp == 2) sums_of(std::integral_constant<int, 2>{});
+  else sums_of(std::integral_constant<int, 1>{});
   DS4_GPU_CHECK_LAUNCH("hc_site_sums_kernel");
   const size_t smem = std::max<size_t>(static_cast<size_t>(s.d) * sizeof(float),
                                        static_cast<size_t>(a.nb) * (sizeof(double) + kHcSiteMix * sizeof(float)));

@@ -71,34 +71,59 @@ __device__ __forceinline__ double strided_sumsq(const float* x, int64_t n, int t
 }
 
 // One halving round over the first N values of v: the lanes with bit MASK set keep the upper half
-// (moved down to [0, N/2)), the others the lower half, each adding its partner's copy.
+// (moved down to [0, H), H = ceil(N / 2)), the others the lower half, each adding its partner's copy.
+// An odd N pads its upper half with a zero, a slot no value reaches (warp_sums_slot).
 template <int N, int MASK>
 __device__ __forceinline__ void halve(float* v, int lane) {
+  constexpr int H = (N + 1) / 2;
   const bool up = (lane & MASK) != 0;
 #pragma unroll
-  for (int k = 0; k < N / 2; ++k) {
-    const float send = up ? v[k] : v[k + N / 2];
-    const float keep = up ? v[k + N / 2] : v[k];
+  for (int k = 0; k < H; ++k) {
+    const float hi = k + H < N ? v[k + H] : 0.0f;
+    const float send = up ? v[k] : hi;
+    const float keep = up ? hi : v[k];
     v[k] = keep + ds4_shfl_xor(send, MASK);
   }
 }
 
-// The warp sums of N values a lane (N a power of two): halving rounds at masks 16, 8, 4, 2, 1 while
-// a lane holds two or more values, warp_sum's butterfly steps after that. Each sum adds the same
-// operands in the same order as warp_sum of that value (v + the partner's v, masks 16 down to 1):
-// the same bits, in N - 1 shuffles for N <= 32 where N butterflies take 5 N. Then lane l holds the
-// sums of values (N / 32) l .. (N / 32) (l + 1) - 1 in v[0..N/32) for N >= 32, else the sum of value
-// l / (32 / N) in v[0].
+// The warp sums of N values a lane: halving rounds at masks 16, 8, 4, 2, 1 while a lane holds two
+// or more values, warp_sum's butterfly steps after that. Each sum adds the same operands in the same
+// order as warp_sum of that value (v + the partner's v, masks 16 down to 1): the same bits, in about
+// N - 1 shuffles for N <= 32 where N butterflies take 5 N (24 values: 24 shuffles, where padding
+// them to 32 took 31). Then for N <= 32 lane l holds the sum of value warp_sums_slot<N>(l) in v[0]
+// (for a power of two, l / (32 / N)); for N a power of two >= 32, the sums of values
+// (N / 32) l .. (N / 32) (l + 1) - 1 in v[0..N/32).
 template <int N, int MASK = 16>
 __device__ __forceinline__ void warp_sums(float* v, int lane) {
+  static_assert(N <= DS4_WARP || (N & (N - 1)) == 0, "warp_sums: up to 32 values, or a power of two");
   if constexpr (MASK >= 1) {
     if constexpr (N >= 2) {
       halve<N, MASK>(v, lane);
     } else {
       v[0] += ds4_shfl_xor(v[0], MASK);
     }
-    warp_sums<(N >= 2 ? N / 2 : 1), MASK / 2>(v, lane);
+    warp_sums<(N >= 2 ? (N + 1) / 2 : 1), MASK / 2>(v, lane);
   }
+}
+
+// Which of warp_sums<N>'s N <= 32 values lane l holds the sum of at the end; -1: a padding slot.
+template <int N>
+__host__ __device__ constexpr int warp_sums_slot(int lane) {
+  static_assert(N >= 1 && N <= DS4_WARP, "warp_sums_slot: 1 to 32 values");
+  // Every lane holds `slots` slots (the same count in every lane), values first .. first + real - 1
+  // in the first `real` of them, padding after.
+  int first = 0, real = N, slots = N;
+  for (int mask = DS4_WARP / 2; mask >= 1 && slots >= 2; mask >>= 1) {
+    const int h = (slots + 1) / 2;
+    if (lane & mask) {
+      first += h;
+      real = real > h ? real - h : 0;
+    } else {
+      real = real < h ? real : h;
+    }
+    slots = h;
+  }
+  return real == 1 ? first : -1;
 }
 
 // rms_factor's r from the row's sum of squares t over n elements.

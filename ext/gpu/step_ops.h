@@ -67,6 +67,12 @@ void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float
 // (null: lane j), its U row j the head's input (norm_w: the output norm).
 constexpr int kHcSiteStreams = 4;
 constexpr int kHcSiteMix = (2 + kHcSiteStreams) * kHcSiteStreams;  // the projection's rows at a site
+// The streams a thread of the site's sums kernel takes (lane_ops.cu hc_site_sums_kernel): 1 or 2, a
+// process-wide measurement setting (testing::set_hc_site_streams, ds4_gpu.h). It changes the bits,
+// the same way in decode and prompt steps, so each contract holds within one setting; the engine
+// keys its graphs by it.
+constexpr int kHcSiteStreamsAThread = 1;
+int hc_site_streams();
 struct HcSite {
   bool head = false;
   const int32_t* lanes = nullptr;

@@ -8,8 +8,13 @@ add in an order of their own, so the bits differ from the three launches' (the e
 rounding, and batch invariant on its own (decode rows and prompt rows take different block shapes
 with the same arithmetic a row).
 
-Marked ``gpu``. Hook (``_testing``): ``gpu_hc_site(X, Y, post, comb, fn_type, fn_raw, scale, base,
-iters, hc_eps, norm_eps, norm_w) -> (X, U, post, comb)``.
+The sums kernel takes one or two streams a thread (``gpu_set_hc_site_streams``, a process-wide
+measurement setting; GPU pass 39): two add each thread's pair of products and squares before the warp
+sums, so the bits differ from one's, and each setting must hold every contract above on its own.
+
+Marked ``gpu``. Hooks (``_testing``): ``gpu_hc_site(X, Y, post, comb, fn_type, fn_raw, scale, base,
+iters, hc_eps, norm_eps, norm_w) -> (X, U, post, comb)``; ``gpu_set_hc_site_streams(n) -> n`` (1 or 2,
+-1 the default, 1).
 """
 
 from __future__ import annotations
@@ -61,13 +66,21 @@ def reference(x, y, post, comb, fn, scale, base, norm_w):
     return x, (u64 * r * norm_w), p, c
 
 
+@pytest.fixture(params=[1, 2], ids=["1stream", "2streams"])
+def streams(request):
+    """Each test under one and two streams a sums thread; the default again after it."""
+    assert T.gpu_set_hc_site_streams(request.param) == request.param
+    yield request.param
+    assert T.gpu_set_hc_site_streams(-1) == 1
+
+
 def rel(a, b) -> float:
     return float(np.max(np.abs(np.asarray(a, np.float64) - b)) / max(np.max(np.abs(b)), 1e-30))
 
 
 @pytest.mark.parametrize("d,ggml_type", [(256, F16), (4096, F16), (512, BF16), (1024, F32)])
 @pytest.mark.parametrize("with_post", [True, False])
-def test_site_matches_the_reference(d, ggml_type, with_post) -> None:
+def test_site_matches_the_reference(d, ggml_type, with_post, streams) -> None:
     rng = np.random.default_rng(d + ggml_type + with_post)
     x, y, post, comb, scale, base, norm_w = site_inputs(rng, 3, d)
     raw, fn = fn_of(rng, d, ggml_type)
@@ -84,7 +97,7 @@ def test_site_matches_the_reference(d, ggml_type, with_post) -> None:
 
 
 @pytest.mark.parametrize("n,d", [(5, 4096), (70, 256)])
-def test_site_is_batch_invariant(n, d) -> None:
+def test_site_is_batch_invariant(n, d, streams) -> None:
     """Each row of an n-row call has the bits of that row run alone (from 64 rows the sums kernel
     takes 8 rows a block)."""
     rng = np.random.default_rng(7)
@@ -98,6 +111,30 @@ def test_site_is_batch_invariant(n, d) -> None:
             assert np.array_equal(a[i:i + 1].view(np.uint32), b.view(np.uint32))
     again = T.gpu_hc_site(x, y, post, comb, F16, raw, scale, base, ITERS, HC_EPS, NORM_EPS, norm_w)
     assert all(np.array_equal(a.view(np.uint32), b.view(np.uint32)) for a, b in zip(together, again))
+
+
+def test_site_streams_a_thread_change_the_sums_only() -> None:
+    """Two streams a thread against one: the streams after the post are the same bits (hc_post_one
+    either way); U, post and comb's logits differ in their last bits (the sums' order) and stay within
+    fp32 rounding of each other. A count other than 1, 2 or -1 is refused and leaves the setting."""
+    rng = np.random.default_rng(5)
+    x, y, post, comb, scale, base, norm_w = site_inputs(rng, 70, 4096)
+    raw, _ = fn_of(rng, 4096, F16)
+    out = {}
+    try:
+        for sp in (1, 2):
+            assert T.gpu_set_hc_site_streams(sp) == sp
+            out[sp] = T.gpu_hc_site(x, y, post, comb, F16, raw, scale, base, ITERS, HC_EPS, NORM_EPS, norm_w)
+        with pytest.raises(ValueError):
+            T.gpu_set_hc_site_streams(4)
+        assert T.gpu_set_hc_site_streams(2) == 2
+    finally:
+        assert T.gpu_set_hc_site_streams(-1) == 1
+    (x1, u1, p1, c1), (x2, u2, p2, c2) = out[1], out[2]
+    assert np.array_equal(x1.view(np.uint32), x2.view(np.uint32))
+    assert not np.array_equal(u1.view(np.uint32), u2.view(np.uint32))
+    for a, b in ((u1, u2), (p1, p2), (c1, c2)):
+        assert rel(a, b.astype(np.float64)) < 2e-5
 
 
 def test_site_rejects_what_it_cannot_take() -> None:

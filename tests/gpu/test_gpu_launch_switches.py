@@ -18,9 +18,11 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_matvec_staged_min_rows(rows) -> rows``: the fewest rows a matrix needs to take the staged
   kernel (default 512, -1 back to it); at 64 most of tiny's products of two or more columns take it.
 
-One measurement setting here does change bits: ``gpu_set_attn_split_min(keys) -> keys``, the
-attention's fewest keys a split (8..256 in steps of 8, -1 the default 64). Decode and prompt steps
-take it alike, so the engine's bits must change with it, and its graphs must follow it.
+Two measurement settings here do change bits: ``gpu_set_attn_split_min(keys) -> keys``, the
+attention's fewest keys a split (8..256 in steps of 8, -1 the default 64), and
+``gpu_set_hc_site_streams(n) -> n``, the mHC site's streams a sums thread (1 or 2, -1 the default 1).
+Decode and prompt steps take each alike, so the engine's bits must change with it, and its graphs
+must follow it.
 
 And one launch choice without a switch: F32/F16/BF16 matrices of fewer row blocks than SMs run one
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
@@ -62,6 +64,7 @@ def restore_pdl():
     T.gpu_set_attn_heads(-1)
     T.gpu_set_attn_split_min(-1)
     T.gpu_set_matvec_staged_min_rows(-1)
+    T.gpu_set_hc_site_streams(-1)
 
 
 def set_persistent(on: bool) -> bool:
@@ -217,15 +220,24 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
             assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
 
 
-def test_engine_attention_split_min_changes_bits_and_the_graph_key(tiny_model_file, restore_pdl) -> None:  # noqa: F811
-    """The tiny model's lanes have up to ~45 keys a layer: one split at the default 64, up to six at 8.
-    The logits must differ between the two (a setting that silently did nothing fails), and under each
-    setting graphs must give eager's bits (a graph captured under the other setting would not)."""
+# The measurement settings that change bits: (the setter's hook, its default's value, the other value tried).
+BIT_SETTINGS = {"splitmin": ("gpu_set_attn_split_min", 64, 8), "hcstreams": ("gpu_set_hc_site_streams", 1, 2)}
+
+
+@pytest.mark.parametrize("name", list(BIT_SETTINGS))
+def test_engine_bit_setting_changes_bits_and_the_graph_key(name, tiny_model_file, restore_pdl) -> None:  # noqa: F811
+    """A setting that changes the arithmetic alike in decode and prompt steps: the attention's fewest
+    keys a split (tiny's lanes have up to ~45 keys a layer: one split at the default 64, up to six at 8)
+    and the mHC site's streams a sums thread. The logits must differ between the default and the other
+    value (a setting that silently did nothing fails), and under each setting graphs must give eager's
+    bits (a graph captured under the other setting would not)."""
+    hook, default, other = BIT_SETTINGS[name]
+    setter = getattr(T, hook)
     mf = tiny_model_file
     eng = gpu_engine(mf)
     out = {}
-    for keys in (-1, 8, -1):
-        assert T.gpu_set_attn_split_min(keys) == (64 if keys < 0 else keys)
+    for value in (-1, other, -1):
+        assert setter(value) == (default if value < 0 else value)
         for graphs in (False, True):
             eng.use_graphs = graphs
             got = []
@@ -233,14 +245,14 @@ def test_engine_attention_split_min_changes_bits_and_the_graph_key(tiny_model_fi
                 for s in seqs:
                     eng.reset_slot(s.slot)
                 got.append(run(eng, seqs))
-            out.setdefault((keys, graphs), got)
-            for case, (a, b) in enumerate(zip(out[(keys, graphs)], got)):
+            out.setdefault((value, graphs), got)
+            for case, (a, b) in enumerate(zip(out[(value, graphs)], got)):
                 for k, (x, y) in enumerate(zip(a, b)):
-                    assert np.array_equal(bits(x), bits(y)), f"split min {keys}, graphs {graphs}: case {case}, {k}"
-        for case, (a, b) in enumerate(zip(out[(keys, False)], out[(keys, True)])):
+                    assert np.array_equal(bits(x), bits(y)), f"{name} {value}, graphs {graphs}: case {case}, {k}"
+        for case, (a, b) in enumerate(zip(out[(value, False)], out[(value, True)])):
             for k, (x, y) in enumerate(zip(a, b)):
                 assert np.isfinite(x).all()
-                assert np.array_equal(bits(x), bits(y)), f"split min {keys}: graphs against eager, case {case}, {k}"
+                assert np.array_equal(bits(x), bits(y)), f"{name} {value}: graphs against eager, case {case}, {k}"
     changed = [not np.array_equal(bits(x), bits(y))
-               for a, b in zip(out[(-1, False)], out[(8, False)]) for x, y in zip(a, b)]
-    assert any(changed), "8 keys a split gave the default's bits"
+               for a, b in zip(out[(-1, False)], out[(other, False)]) for x, y in zip(a, b)]
+    assert any(changed), f"{name} {other} gave the default's bits"

@@ -54,10 +54,11 @@ includes the plan upload, every kernel and the logits download). Method:
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
   other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow Q8_0 tile; -1 the
   default, 2), `stagedrows=N` the fewest rows a matrix takes the staged kernel from (-1 the default,
-  512); joined by ':', variants by ','; what a variant does not name is at its default):
+  512), `hcstreams=N` the mHC site's streams a sums thread (1 or 2; -1 the default); joined by ':',
+  variants by ','; what a variant does not name is at its default):
   prefill and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8`,
-  `hcfused` and `splitmin`);
+  `hcfused`, `splitmin` and `hcstreams`);
   the profile runs under each variant (JSON.profile-N.txt);
 - roofline: the bytes a decode step must read: every tensor except the expert stacks and the
   embedding once; per MoE layer the expected distinct experts E (1 - (1 - K/E)^C) of each stack;
@@ -217,7 +218,7 @@ SWITCH_DEFAULTS = {"pdl": True, "l2": None, "mma": False, "fuse": True, "persist
                    "immapersist": -1, "planes": True, "branch": True, "owngroups": -1,
                    "ownstages": -1, "ownwidth": -1, "tall": True, "tallk": -1, "stagedmin": 2,
                    "hcfused": True, "routefused": True, "attnq": True, "comppar": True, "attnheads": -1,
-                   "splitmin": -1, "immaindep": -1, "stagedrows": -1}
+                   "splitmin": -1, "immaindep": -1, "stagedrows": -1, "hcstreams": -1}
 
 
 def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
@@ -227,7 +228,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
         if key not in want:
             raise SystemExit(f"--variants: unknown switch {key!r} (one of {', '.join(want)})")
         if key in ("imma", "immag", "immarows", "owngroups", "ownstages", "ownwidth", "tallk", "stagedmin",
-                   "attnheads", "splitmin", "immaindep", "stagedrows"):
+                   "attnheads", "splitmin", "immaindep", "stagedrows", "hcstreams"):
             want[key] = int(value)
         elif key in ("immaahead", "immapersist"):
             want[key] = int(value != "0")
@@ -258,6 +259,7 @@ def set_variant(runner: Runner, spec: str, l2_default: bool) -> None:
     _native._testing.gpu_set_attn_split_min(want["splitmin"])
     _native._testing.gpu_set_matvec_imma_indep(want["immaindep"])
     _native._testing.gpu_set_matvec_staged_min_rows(want["stagedrows"])
+    _native._testing.gpu_set_hc_site_streams(want["hcstreams"])
 
 
 class Runs:
