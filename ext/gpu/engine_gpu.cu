@@ -20,7 +20,6 @@
 // head's mHC weights and the LM head); after q_b, wo_a and wo_b; after wo_b, the FFN's mHC weights,
 // router and shared expert. The shared expert runs before the routed experts (the same bits: its
 // buffers are its own), so no large read comes between that prefetch and the kernels it serves.
-// With the step branching, each window's kernel runs on a branch of its own (pass 39), off the chain.
 //
 // Device memory, by section (ds4_app/engine/memory.py plan_device_memory mirrors every formula):
 //   rings, compressor_state, pages: the CPU engine's layout (paged_state.h), byte for byte;
@@ -205,11 +204,6 @@ struct GpuEngine::Impl {
   cudaEvent_t fork_ev = nullptr, join_ev = nullptr;
   cudaEvent_t mark_ev = nullptr;  // mark_side / wait_side_mark
   bool mark_pending = false;
-  // The L2 prefetch's own branch (pass 39): with the step branching, each prefetch_window forks it
-  // from the stream, so the prefetch kernel is not a link of the chain; joined at the step's end.
-  cudaStream_t pf_stream = nullptr;
-  cudaEvent_t pf_fork_ev = nullptr, pf_join_ev = nullptr;
-  bool pf_pending = false;
 
   DeviceMemory weights, rings, states, pages, inputs, arena;
   DeviceMemory mma_scratch;  // the tensor-core products' scratch (allocated once the switch is seen on)
@@ -446,9 +440,6 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&fork_ev, cudaEventDisableTiming));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&mark_ev, cudaEventDisableTiming));
   DS4_GPU_CHECK(cudaEventCreateWithFlags(&join_ev, cudaEventDisableTiming));
-  DS4_GPU_CHECK(cudaStreamCreate(&pf_stream));
-  DS4_GPU_CHECK(cudaEventCreateWithFlags(&pf_fork_ev, cudaEventDisableTiming));
-  DS4_GPU_CHECK(cudaEventCreateWithFlags(&pf_join_ev, cudaEventDisableTiming));
 
   // Weights: the file's bytes once, in 256 MiB pieces (a pageable copy of the mapping).
   weights = DeviceMemory(file.size());
@@ -513,9 +504,6 @@ GpuEngine::Impl::~Impl() {
   if (fork_ev) (void)cudaEventDestroy(fork_ev);
   if (mark_ev) (void)cudaEventDestroy(mark_ev);
   if (join_ev) (void)cudaEventDestroy(join_ev);
-  if (pf_fork_ev) (void)cudaEventDestroy(pf_fork_ev);
-  if (pf_join_ev) (void)cudaEventDestroy(pf_join_ev);
-  if (pf_stream) (void)cudaStreamDestroy(pf_stream);
   if (side) (void)cudaStreamDestroy(side);
   if (stream) (void)cudaStreamDestroy(stream);
 }
@@ -772,18 +760,7 @@ void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_li
     prefetch_log.insert(prefetch_log.end(),
                         {window, layer, static_cast<int64_t>(t->data - weights.data()), static_cast<int64_t>(bytes)});
   }
-  if (!branching) {
-    ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
-    return;
-  }
-  // On the prefetch branch: it starts when the stream's work so far is done, as in line, but the
-  // stream's next kernel does not wait for it (in line, each window's launch was a link of the
-  // latency chain it was meant to shorten: README "Pass 9: outcome").
-  DS4_GPU_CHECK(cudaEventRecord(pf_fork_ev, stream));
-  DS4_GPU_CHECK(cudaStreamWaitEvent(pf_stream, pf_fork_ev, 0));
-  ds4::gpu::l2_prefetch(r, m, pf_stream);
-  DS4_GPU_CHECK(cudaEventRecord(pf_join_ev, pf_stream));
-  pf_pending = true;
+  ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
 }
 
 // Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
@@ -1145,7 +1122,6 @@ void GpuEngine::Impl::launch_step() {
   post_due = PostDue{};
   comb_due = false;
   mark_pending = false;
-  pf_pending = false;
   if (x_hc_base == nullptr) x_hc_base = x_hc;
   x_hc_next = x_hc == x_hc_base ? x_hc_next : x_hc;
   x_hc = x_hc_base;
@@ -1159,10 +1135,6 @@ void GpuEngine::Impl::launch_step() {
   }
   head();
   join_side();
-  if (pf_pending) {  // the prefetch branch back into the stream (a capture must end joined)
-    DS4_GPU_CHECK(cudaStreamWaitEvent(stream, pf_join_ev, 0));
-    pf_pending = false;
-  }
 }
 
 // Replay the step's bucket graph, capturing it first if this bucket is new.

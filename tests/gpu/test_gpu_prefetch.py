@@ -11,8 +11,6 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). The 
 - ``GpuEngine.l2_prefetch_log()``: (window, layer, file offset, bytes) of every range the last
   launched step asked for.
 
-With the step branching (the default), each window's prefetch kernel runs on a branch of its own, joined
-back at the step's end (GPU pass 39), so a capture must still end joined and the chain never waits for it.
 The logits tests compare the switch on and off bit for bit, eagerly and under graphs (where the switch
 must capture new graphs: it is part of the graph key), at one and three lanes, with the default cap
 and with a cap that cuts ranges at offsets that are not multiples of 16 (the launcher trims them).
