@@ -18,14 +18,11 @@
 #   H200, the launches costing more than the L2 hits saved): decode C = 1 +3-5%, C = 8 +1-2%, prefill within +-0.5%.
 # - the parts' scan (no switch): the bench profile's fused router at C = 1 ~19.5-20.5 us a call eager, against
 #   21.75 on pass 36 call 2's profile (another H100).
-# Then ncu (with stall reasons) of a C = 1 decode step's fused router, attention combine and mHC pre: the
-# chain's stages after the products (the router's 14 us after the pre on pass 36's C = 1 timeline, for 2 MB), and
-# the C = 1 graph timelines at the defaults, l2=1 and hcstreams=2.
+# Then the C = 1 graph timelines at the defaults, l2=1 and hcstreams=2.
 set -uo pipefail
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "$name"
-OUT=$OUT ext/gpu/bench/engine_run.sh --budget 470 --no-racecheck \
+OUT=$OUT ext/gpu/bench/engine_run.sh --budget 420 --no-racecheck \
   --bench-args "--prefill-rows 512,2048 --long-ctx 0 --steps 30 --variants ,stagedrows=256,hcstreams=2,l2=1,,stagedrows=256,hcstreams=2,l2=1" \
-  --ncu 1 "" "router_route_kernel|attention_combine_kernel|hc_site_pre_kernel" \
   --timeline "--c 1 --steps 3 --variants ,l2=1,hcstreams=2"
 echo "done ($SECONDS s)"

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Pass 39 call 2, the landed tree's module: two mHC streams a sums thread by default, the staged kernel's 256-row
+# floor for whole 16-column chunks, the parts' scan by shuffles; the prefetch branch reverted. The GPU tests
+# under the new defaults, memcheck, and the bench at the defaults against main's arithmetic and launches
+# (hcstreams=1:stagedrows=512), twice each in one process.
+# Prediction (call 1's variants): prefill +2-2.5% at 2048 rows (the two levers' +1.1-1.3% each), decode C = 2
+# +2%, C = 4-8 +0.5%, C = 1 within the runs' spread; the logits within 3e-4 of main's arithmetic.
+set -uo pipefail
+name=$(nvidia-smi --query-gpu=name --format=csv,noheader)
+echo "$name"
+OUT=$OUT ext/gpu/bench/engine_run.sh --budget 300 --no-racecheck \
+  --bench-args "--prefill-rows 512,2048 --long-ctx 0 --steps 30 --variants ,hcstreams=1:stagedrows=512,,hcstreams=1:stagedrows=512"
+echo "done ($SECONDS s)"
