@@ -362,8 +362,9 @@ def _t_gpu_set_matvec_tall_min_k(int64_t k):
 
 def _t_gpu_set_matvec_staged_min_rows(int64_t rows):
     """The fewest rows a matrix needs to take the staged matvec kernel (its columns in shared memory;
-    with at least the engine's staged_min_cols columns), process-wide: 1 or more, -1 back to the
-    default, 512. Returns the value in force (the bits never change)."""
+    with at least the engine's staged_min_cols columns) at every width, process-wide: 1 or more, -1 back
+    to the rule (512 rows, 256 for whole 16-column chunks). Returns the setting now, 0 for the rule (the
+    bits never change)."""
     return int(gpu_set_matvec_staged_min_rows(rows))
 
 
@@ -396,7 +397,7 @@ def _t_gpu_set_attn_split_min(int keys):
 
 
 def _t_gpu_set_hc_site_streams(int streams):
-    """The mHC site's streams a sums thread, process-wide: 1 or 2, or -1 for the default (1). It changes
+    """The mHC site's streams a sums thread, process-wide: 1 or 2, or -1 for the default (2). It changes
     the bits, alike in decode and prompt steps, so every contract holds within one setting. Returns the
     setting now."""
     return int(gpu_set_hc_site_streams(streams))

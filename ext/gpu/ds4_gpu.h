@@ -112,9 +112,9 @@ void set_matvec_tall_stages(int stages);
 // -1 back to the environment's value or the default. Same bits; the engine keys its graphs by it.
 void set_matvec_tall_min_k(int64_t k);
 int64_t matvec_tall_min_k();
-// The fewest rows a matrix must have to take the staged kernel (matvec.cuh kStagedMinRows, 512; -1 back
-// to it). A measurement setting (pass 36 call 3: the router's 256 rows keep the direct kernel, L2-bound
-// in prompt steps). Same bits; the engine keys its graphs by it.
+// The fewest rows a matrix must have to take the staged kernel, for every width (a measurement
+// setting; -1 back to the rule, matvec.cuh: 512 rows, 256 for whole 16-column chunks, pass 39;
+// matvec_staged_min_rows() then returns 0). Same bits; the engine keys its graphs by it.
 void set_matvec_staged_min_rows(int64_t rows);
 int64_t matvec_staged_min_rows();
 // The process-wide matvec launch choices (chunked loads; the grouped kernel's variant, stages and
@@ -174,7 +174,7 @@ void set_matvec_persistent(bool on);
 void set_matvec_tall_stages(int stages);
 // ds4::gpu::set_matvec_tall_min_k; returns matvec_tall_min_k() after it.
 int64_t set_matvec_tall_min_k(int64_t k);
-// ds4::gpu::set_matvec_staged_min_rows; returns matvec_staged_min_rows() after it.
+// ds4::gpu::set_matvec_staged_min_rows; returns matvec_staged_min_rows() after it (0: the rule).
 int64_t set_matvec_staged_min_rows(int64_t rows);
 // variant as ds4::gpu::set_matvec_grouped's; stages 2..4 the own kernel's copy stages, width 1, 2,
 // 4 or 8 its widest sub-part (each 0: keep, -1: the default).
@@ -186,7 +186,7 @@ int set_matvec_grouped_groups(int groups);
 // 8..256 in steps of 8 (-1: the default, 64; changes bits). Each returns the setting now (0: the rule).
 int set_attn_heads(int heads);
 int set_attn_split_min(int keys);
-// The mHC site's streams a sums thread (step_ops.h hc_site_streams): 1 or 2 (-1: the default); it
+// The mHC site's streams a sums thread (step_ops.h hc_site_streams): 1 or 2 (-1: the default, 2); it
 // changes bits. Returns the setting now.
 int set_hc_site_streams(int streams);
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);

@@ -469,8 +469,15 @@ size_t staged_wbuf_bytes_of(DType t) {
     default: return 0;
   }
 }
+// The fewest rows an nc-column chunk's matrix needs for the staged kernel: the setting, or the rule
+// (matvec.cuh kStagedMinRows, kStagedMinRowsFull).
+int64_t staged_min_rows_for(int nc) {
+  const int64_t set = matvec_staged_min_rows();
+  return set > 0 ? set : nc >= kMaxCols ? kStagedMinRowsFull : kStagedMinRows;
+}
+
 int staged_pieces(const TensorView& W, int nc, int staged_min) {
-  if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < matvec_staged_min_rows()) return 0;
+  if (nc < std::max(staged_min, 1) || W.type == DType::F32 || W.ne[1] < staged_min_rows_for(nc)) return 0;
   matvec_prepare();
   const size_t per_col = static_cast<size_t>(staged_col4(W.ne[0])) * 16;
   const size_t wbuf = staged_wbuf_bytes_of(W.type);
@@ -501,7 +508,7 @@ int env_int(const char* name, int lo, int hi, int fallback) {
 }
 
 std::atomic<int> g_tall_min_k{-1};  // -1: not read from the environment yet
-std::atomic<int64_t> g_staged_min_rows{kStagedMinRows};  // the staged kernel's fewest rows (a measurement setting)
+std::atomic<int64_t> g_staged_min_rows{0};  // the staged kernel's fewest rows (a measurement setting; 0: the rule)
 
 // The tall variant's least row width: 2048 by default (pass 16's timeline of a C=1 step: q_b's 1024
 // elements a row on the tall kernel, one chunk a row block and two row blocks a block, the second
@@ -1059,8 +1066,9 @@ void set_matvec_tall_min_k(int64_t k) {
 int64_t matvec_tall_min_k() { return tall_min_k_now(); }
 
 void set_matvec_staged_min_rows(int64_t rows) {
-  if (rows != -1 && rows < 1) throw std::invalid_argument("staged kernel's fewest rows: 1 or more (-1: 512)");
-  g_staged_min_rows.store(rows < 0 ? kStagedMinRows : rows, std::memory_order_relaxed);
+  if (rows != -1 && rows < 1)
+    throw std::invalid_argument("staged kernel's fewest rows: 1 or more (-1: the rule, 512 or 256 for 16 columns)");
+  g_staged_min_rows.store(rows < 0 ? 0 : rows, std::memory_order_relaxed);
 }
 
 int64_t matvec_staged_min_rows() { return g_staged_min_rows.load(std::memory_order_relaxed); }

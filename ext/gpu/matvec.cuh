@@ -667,8 +667,11 @@ constexpr int kStagedThreads = 256;
 constexpr int kStagedWarps = kStagedThreads / DS4_WARP;
 constexpr int kStagedRows = 4;  // rows a warp carries (R); R never changes a result
 // Shorter matrices keep the direct kernel (too few row blocks), unless set_matvec_staged_min_rows
-// (ds4_gpu.h) says otherwise; R and the kernel never change a result.
+// (ds4_gpu.h) says otherwise; R and the kernel never change a result. Whole 16-column chunks (prompt
+// steps) take it from kStagedMinRowsFull rows (pass 39: the router's 256 rows, L2-bound on the
+// direct kernel there, prefill +0.8-1.3%; at 5-8 columns the same floor cost decode 0.8-1.4%).
 constexpr int64_t kStagedMinRows = 512;
+constexpr int64_t kStagedMinRowsFull = 256;
 
 template <int T>
 __device__ __forceinline__ int staged_chunk(int64_t k) {

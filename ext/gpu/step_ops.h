@@ -67,11 +67,11 @@ void hc_post_moe(float* X, int n, int hc, int64_t d, const float* D, const float
 // (null: lane j), its U row j the head's input (norm_w: the output norm).
 constexpr int kHcSiteStreams = 4;
 constexpr int kHcSiteMix = (2 + kHcSiteStreams) * kHcSiteStreams;  // the projection's rows at a site
-// The streams a thread of the site's sums kernel takes (lane_ops.cu hc_site_sums_kernel): 1 or 2, a
-// process-wide measurement setting (testing::set_hc_site_streams, ds4_gpu.h). It changes the bits,
-// the same way in decode and prompt steps, so each contract holds within one setting; the engine
-// keys its graphs by it.
-constexpr int kHcSiteStreamsAThread = 1;
+// The streams a thread of the site's sums kernel takes (lane_ops.cu hc_site_sums_kernel): 2 (pass 39:
+// prefill +0.8-1.1%, decode C = 2 +2.0%, C = 4-8 +0.4-0.6%) or 1, a process-wide measurement setting
+// (testing::set_hc_site_streams, ds4_gpu.h). It changes the bits, the same way in decode and prompt
+// steps, so each contract holds within one setting; the engine keys its graphs by it.
+constexpr int kHcSiteStreamsAThread = 2;
 int hc_site_streams();
 struct HcSite {
   bool head = false;

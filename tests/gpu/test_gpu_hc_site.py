@@ -14,7 +14,7 @@ sums, so the bits differ from one's, and each setting must hold every contract a
 
 Marked ``gpu``. Hooks (``_testing``): ``gpu_hc_site(X, Y, post, comb, fn_type, fn_raw, scale, base,
 iters, hc_eps, norm_eps, norm_w) -> (X, U, post, comb)``; ``gpu_set_hc_site_streams(n) -> n`` (1 or 2,
--1 the default, 1).
+-1 the default, 2).
 """
 
 from __future__ import annotations
@@ -71,7 +71,7 @@ def streams(request):
     """Each test under one and two streams a sums thread; the default again after it."""
     assert T.gpu_set_hc_site_streams(request.param) == request.param
     yield request.param
-    assert T.gpu_set_hc_site_streams(-1) == 1
+    assert T.gpu_set_hc_site_streams(-1) == 2
 
 
 def rel(a, b) -> float:
@@ -129,7 +129,7 @@ def test_site_streams_a_thread_change_the_sums_only() -> None:
             T.gpu_set_hc_site_streams(4)
         assert T.gpu_set_hc_site_streams(2) == 2
     finally:
-        assert T.gpu_set_hc_site_streams(-1) == 1
+        assert T.gpu_set_hc_site_streams(-1) == 2
     (x1, u1, p1, c1), (x2, u2, p2, c2) = out[1], out[2]
     assert np.array_equal(x1.view(np.uint32), x2.view(np.uint32))
     assert not np.array_equal(u1.view(np.uint32), u2.view(np.uint32))

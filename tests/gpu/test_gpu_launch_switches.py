@@ -16,11 +16,12 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). Hook
 - ``gpu_set_attn_heads(n) -> n``: the split attention's heads a block (1, 2 or 4; -1 the rule, which
   returns 0).
 - ``gpu_set_matvec_staged_min_rows(rows) -> rows``: the fewest rows a matrix needs to take the staged
-  kernel (default 512, -1 back to it); at 64 most of tiny's products of two or more columns take it.
+  kernel at every width (-1 back to the rule, 512 rows or 256 for whole 16-column chunks, which returns
+  0); at 64 most of tiny's products of two or more columns take it.
 
 Two measurement settings here do change bits: ``gpu_set_attn_split_min(keys) -> keys``, the
 attention's fewest keys a split (8..256 in steps of 8, -1 the default 64), and
-``gpu_set_hc_site_streams(n) -> n``, the mHC site's streams a sums thread (1 or 2, -1 the default 1).
+``gpu_set_hc_site_streams(n) -> n``, the mHC site's streams a sums thread (1 or 2, -1 the default 2).
 Decode and prompt steps take each alike, so the engine's bits must change with it, and its graphs
 must follow it.
 
@@ -83,8 +84,8 @@ def set_tall_min_k(on: bool) -> bool:
 
 
 def set_staged_min_rows(on: bool) -> bool:
-    """The staged kernel from 64 rows against its default 512."""
-    assert T.gpu_set_matvec_staged_min_rows(64 if on else -1) == (64 if on else 512)
+    """The staged kernel from 64 rows at every width against the rule (512 rows, 256 for 16 columns)."""
+    assert T.gpu_set_matvec_staged_min_rows(64 if on else -1) == (64 if on else 0)
     return True
 
 
@@ -221,7 +222,7 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
 
 
 # The measurement settings that change bits: (the setter's hook, its default's value, the other value tried).
-BIT_SETTINGS = {"splitmin": ("gpu_set_attn_split_min", 64, 8), "hcstreams": ("gpu_set_hc_site_streams", 1, 2)}
+BIT_SETTINGS = {"splitmin": ("gpu_set_attn_split_min", 64, 8), "hcstreams": ("gpu_set_hc_site_streams", 2, 1)}
 
 
 @pytest.mark.parametrize("name", list(BIT_SETTINGS))
