@@ -8,6 +8,6 @@
 set -uo pipefail
 name=$(nvidia-smi --query-gpu=name --format=csv,noheader)
 echo "$name"
-OUT=$OUT ext/gpu/bench/engine_run.sh --budget 300 --no-racecheck \
+OUT=$OUT ext/gpu/bench/engine_run.sh --budget 170 --no-racecheck \
   --bench-args "--prefill-rows 512,2048 --long-ctx 0 --steps 30 --variants ,hcstreams=1:stagedrows=512,,hcstreams=1:stagedrows=512"
 echo "done ($SECONDS s)"
