@@ -771,17 +771,17 @@ void hc_site(const HcSite& s, Stream st) {
   auto sums = [&](auto kernel) {
     launch(kernel, dim3(static_cast<unsigned>(a.nb), row_blocks), kRowThreads, 0, stream, a, s.n, per_block);
   };
-  auto sums_of = [&](auto streams) {
+  // The kernel for fn's type, the head's site or not, and sp streams a thread.
+  auto sums_for = [&](auto head, auto streams) {
+    constexpr bool HEAD = decltype(head)::value;
     constexpr int SP = decltype(streams)::value;
-    if (s.head) {
-      if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, true, SP>);
-      else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, true, SP>);
-      else sums(hc_site_sums_kernel<kF32, true, SP>);
-    } else {
-      if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, false, SP>);
-      else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, false, SP>);
-      else sums(hc_site_sums_kernel<kF32, false, SP>);
-    }
+    if (s.fn_type == kF16) sums(hc_site_sums_kernel<kF16, HEAD, SP>);
+    else if (s.fn_type == kBF16) sums(hc_site_sums_kernel<kBF16, HEAD, SP>);
+    else sums(hc_site_sums_kernel<kF32, HEAD, SP>);
+  };
+  auto sums_of = [&](auto streams) {
+    if (s.head) sums_for(std::true_type{}, streams);
+    else sums_for(std::false_type{}, streams);
   };
   if (sp == 2) sums_of(std::integral_constant<int, 2>{});
   else sums_of(std::integral_constant<int, 1>{});

@@ -309,13 +309,16 @@ void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int
   if (n == 0) return;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rb = E.row_bytes(), rows = E.ne[1];
+  auto go = [&](auto kernel, int64_t units) {
+    launch(kernel, n, 128, 0, s, E.data, rb, units, rows, tokens, Y, ldy, copies);
+  };
   switch (E.type) {
-    case DType::F32: launch(embed_kernel<kF32>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
-    case DType::F16: launch(embed_kernel<kF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
-    case DType::BF16: launch(embed_kernel<kBF16>, n, 128, 0, s, E.data, rb, K / 8, rows, tokens, Y, ldy, copies); break;
-    case DType::Q8_0: launch(embed_kernel<kQ8_0>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
-    case DType::Q4_K: launch(embed_kernel<kQ4_K>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
-    case DType::MXFP4: launch(embed_kernel<kMXFP4>, n, 128, 0, s, E.data, rb, K / 32, rows, tokens, Y, ldy, copies); break;
+    case DType::F32: go(embed_kernel<kF32>, K / 8); break;
+    case DType::F16: go(embed_kernel<kF16>, K / 8); break;
+    case DType::BF16: go(embed_kernel<kBF16>, K / 8); break;
+    case DType::Q8_0: go(embed_kernel<kQ8_0>, K / 32); break;
+    case DType::Q4_K: go(embed_kernel<kQ4_K>, K / 32); break;
+    case DType::MXFP4: go(embed_kernel<kMXFP4>, K / 32); break;
     default: throw std::invalid_argument(std::string("GPU embed_rows: unsupported table type ") + dtype_name(E.type));
   }
   DS4_GPU_CHECK_LAUNCH("embed_kernel");

@@ -53,9 +53,9 @@ includes the plan upload, every kernel and the logits download). Method:
   a split block (1, 2, 4; -1 the rule), `splitmin=N` its fewest keys a split (8..256 in steps of 8;
   -1 the default, 64), `immaindep=N` which prompt tiles take a unit's three MMAs independent of each
   other (a mask: 1 the wide Q8_0 tile, 2 the grouped Q4_K kernel, 4 the narrow Q8_0 tile; -1 the
-  default, 2), `stagedrows=N` the fewest rows a matrix takes the staged kernel from at every width (-1 the
-  rule: 512, or 256 for 16-column chunks), `hcstreams=N` the mHC site's streams a sums thread (1 or 2; -1 the default, 2); joined by ':',
-  variants by ','; what a variant does not name is at its default):
+  default, 2), `stagedrows=N` the fewest rows a matrix takes the staged kernel from at every width (-1
+  the rule: 512, or 256 for 16-column chunks), `hcstreams=N` the mHC site's streams a sums thread (1 or
+  2; -1 the default, 2); joined by ':', variants by ','; what a variant does not name is at its default):
   prefill and decode interleave the variants for each size, and the exactness check compares every
   variant's logits with the first one's, bit for bit (expected equal for all but `mma`, `int8`,
   `hcfused`, `splitmin` and `hcstreams`);
