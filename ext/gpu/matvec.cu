@@ -680,8 +680,9 @@ __global__ void __launch_bounds__(kPartsThreads)
 // are matvec_dense_kernel's one-row-a-warp blocks (the same matvec_blocks call, so the logits' bits),
 // then each block fences its logits and counts itself done; the last one (the counter's final
 // value) routes every lane, a warp a lane (route_lane, reading the logits from L2), and builds the
-// parts with all its threads (build_parts_block): the bytes route_kernel and build_parts_kernel
-// write. It resets the counter for the next launch.
+// parts with all its threads (build_parts_block, from the ids route_lane also left in shared
+// memory): the bytes route_kernel and build_parts_kernel write. It resets the counter for the next
+// launch.
 constexpr int kRouterMaxCols = 8;
 constexpr int kRouterMaxExperts = 8 * DS4_WARP;  // route_lane<8>
 
@@ -695,6 +696,7 @@ __global__ void __launch_bounds__(kMatvecThreads)
   __shared__ float part[kMatvecWarps * R * NC];
   __shared__ __align__(16) uint8_t wbuf[chunk_buffer_bytes<T>(R, kMatvecWarps, S)];
   __shared__ RouteShared rsh[kMatvecWarps];
+  __shared__ int32_t ids_s[kRouterMaxCols * kMaxExpertUsed];  // the ids again, for the parts
   __shared__ bool last;
   extern __shared__ int32_t router_parts_sm[];
   const int64_t br = kMatvecWarps / ks;
@@ -710,10 +712,10 @@ __global__ void __launch_bounds__(kMatvecThreads)
   for (int i = warp; i < n; i += kMatvecWarps) {
     ds4_syncwarp();  // the warp's last lane is done with rsh (route_lane's outputs)
     if (ra.hash) route_hash_ids(ra, i, rsh[warp]);
-    route_lane<8>(ra, i, Y + static_cast<int64_t>(i) * rows, rsh[warp]);
+    route_lane<8>(ra, i, Y + static_cast<int64_t>(i) * rows, rsh[warp], ids_s);
   }
-  __syncthreads();  // the ids, for every thread's parts
-  build_parts_block<kMatvecThreads>(ra.ids, n * ra.k_used, ra.n_expert, max_part, sorted, parts, n_parts,
+  __syncthreads();  // the ids, for every thread's parts (from shared memory, not back from L2)
+  build_parts_block<kMatvecThreads>(ids_s, n * ra.k_used, ra.n_expert, max_part, sorted, parts, n_parts,
                                     router_parts_sm);
   if (threadIdx.x == 0) *done = 0u;
 }

@@ -55,11 +55,23 @@ struct RouteShared {
   float den;
 };
 
-// Does (va, ea) beat (vb, eb)? Larger value, then the lower expert id (the CPU's '>' scan).
-__device__ __forceinline__ bool route_better(float va, int ea, float vb, int eb) {
-  if (eb < 0) return ea >= 0;
-  if (ea < 0) return false;
-  return va > vb || (va == vb && ea < eb);
+// A score as an unsigned key in the same order (-0 as +0, so the two tie as the float compare
+// has them).
+__device__ __forceinline__ uint32_t route_key(float v) {
+  const uint32_t b = ds4_float_to_bits(v + 0.0f);
+  return (b & 0x80000000u) ? ~b : (b | 0x80000000u);
+}
+
+// The warp's best of the lanes' candidates (bv, be; be < 0: none): the largest score, then the
+// lower expert id (the CPU's '>' scan), -1 if no lane has one. Every lane gets it: the largest
+// key over the warp, then the smallest id among the lanes that hold it (pass 40: two warp
+// reductions, one instruction each on CUDA, where a butterfly of value-and-id pairs took ten
+// dependent shuffles).
+__device__ __forceinline__ int route_best(float bv, int be) {
+  const uint32_t key = be >= 0 ? route_key(bv) : 0u;
+  const uint32_t top = ds4_warp_max_u32(key);
+  const uint32_t id = ds4_warp_min_u32(be >= 0 && key == top ? static_cast<uint32_t>(be) : 0xffffffffu);
+  return id == 0xffffffffu ? -1 : static_cast<int>(id);
 }
 
 // A hash layer's experts of lane i (tid2eid is a weight and the tokens are step inputs, so a
@@ -72,24 +84,28 @@ __device__ __forceinline__ void route_hash_ids(const RouteArgs& a, int i, RouteS
 
 // Lane i's route by the calling warp from its router logits lg[n_expert] (read from L2: in the
 // fused router they were written during the same launch), after route_hash_ids on a hash layer.
-// Each expert's score sqrt(softplus(logit)) + bias is computed once, into registers: warp lane l
-// holds experts l, l + 32, ... (R of them, R * 32 >= n_expert). Then K arg-max passes: each lane
-// takes the best of its experts not yet chosen (in increasing id order, a strict '>' keeping the
-// earlier), the butterfly picks the warp's best (ties to the lower id), and the lane owning it
-// marks it taken in its bit mask. The chosen experts' weights are computed by one lane each and
-// summed by lane 0 in selection order. (Until pass 16 the scores sat in shared memory and each
-// pass checked every candidate against the experts chosen so far: the same comparisons in the
-// same order, but 24 us of a C=1 step's critical path for 256 experts against 4 us for a
-// hash-routed layer.)
+// Each expert's weight sqrt(softplus(logit)) and score (the weight + bias) are computed once, into
+// registers: warp lane l holds experts l, l + 32, ... (R of them, R * 32 >= n_expert). Then K arg-max
+// passes: each lane takes the best of its experts not yet chosen (in increasing id order, a strict
+// '>' keeping the earlier), route_best picks the warp's best (ties to the lower id), and the lane
+// owning it marks it taken in its bit mask and gives its weight. Lane 0 sums the weights in
+// selection order. A hash layer's weights are read for its given experts. ids_copy (or null): a
+// second place for the ids (the fused router's shared memory, which its parts read).
+// (Until pass 16 the scores sat in shared memory and each pass checked every candidate against
+// the experts chosen so far: the same comparisons in the same order, but 24 us of a C=1 step's
+// critical path for 256 experts against 4 us for a hash-routed layer. Until pass 40 the chosen
+// experts' logits were read again from L2 for their weights: the same bits, one more round trip.)
 template <int R>
-__device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const float* lg, RouteShared& sh) {
+__device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const float* lg, RouteShared& sh,
+                                           int32_t* ids_copy = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   if (!a.hash) {
-    float score[R];
+    float score[R], weight[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
       const int e = lane + DS4_WARP * j;
-      score[j] = e < a.n_expert ? sqrtf(softplus_dev(ds4_ldcg(lg + e))) + a.bias[e] : 0.0f;
+      weight[j] = e < a.n_expert ? sqrtf(softplus_dev(ds4_ldcg(lg + e))) : 0.0f;
+      score[j] = e < a.n_expert ? weight[j] + a.bias[e] : 0.0f;
     }
     uint32_t taken[(R + 31) / 32] = {};  // bit j % 32 of word j / 32: expert lane + 32 j is chosen
     for (int k = 0; k < a.k_used; ++k) {
@@ -103,25 +119,26 @@ __device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const floa
           be = e;
         }
       }
-#pragma unroll
-      for (int m = 16; m >= 1; m >>= 1) {
-        const float ov = ds4_shfl_xor(bv, m);
-        const int oe = ds4_shfl_xor(be, m);
-        if (route_better(ov, oe, bv, be)) {
-          bv = ov;
-          be = oe;
-        }
-      }
+      be = route_best(bv, be);
       if (be >= 0 && be % DS4_WARP == lane) {
+        const int jb = be / DS4_WARP;
+        float wb = weight[0];
 #pragma unroll
-        for (int j = 0; j < R; ++j)
-          if (be / DS4_WARP == j) taken[j / 32] |= 1u << (j % 32);
+        for (int j = 0; j < R; ++j) {
+          if (jb == j) taken[j / 32] |= 1u << (j % 32);
+          wb = jb == j ? weight[j] : wb;
+        }
+        sh.w[k] = wb;
       }
-      if (lane == 0) sh.chosen[k] = be;
+      if (lane == 0) {
+        sh.chosen[k] = be;
+        if (be < 0) sh.w[k] = 0.0f;  // fewer experts than k_used: the pass found none
+      }
     }
+  } else {
+    ds4_syncwarp();  // route_hash_ids' ids
+    for (int k = lane; k < a.k_used; k += DS4_WARP) sh.w[k] = sqrtf(softplus_dev(ds4_ldcg(lg + sh.chosen[k])));
   }
-  ds4_syncwarp();
-  for (int k = lane; k < a.k_used; k += DS4_WARP) sh.w[k] = sqrtf(softplus_dev(ds4_ldcg(lg + sh.chosen[k])));
   ds4_syncwarp();
   if (lane == 0) {
     float sum = 0.0f;
@@ -132,6 +149,7 @@ __device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const floa
   for (int k = lane; k < a.k_used; k += DS4_WARP) {
     a.ids[i * a.k_used + k] = sh.chosen[k];
     a.weights[i * a.k_used + k] = sh.w[k] / sh.den * a.wscale;
+    if (ids_copy != nullptr) ids_copy[i * a.k_used + k] = sh.chosen[k];
   }
 }
 
@@ -226,10 +244,7 @@ __device__ __forceinline__ void build_parts_block(const int32_t* pair_expert, in
     int same = 0;
     const int qn = min(wbase, n_pairs - c0);
     for (int q = 0; q < qn; ++q) same += chunk[q] == e;
-    for (int j = 0; j < DS4_WARP; ++j) {
-      const int oe = ds4_shfl(e, j);
-      same += j < lane && oe == e;
-    }
+    same += ds4_same_below(e, lane);  // the earlier lanes' of this warp
     const int before = e >= 0 ? seen[e] + same : 0;
     __syncthreads();  // every thread read chunk and seen
     if (e < 0) continue;

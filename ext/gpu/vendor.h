@@ -144,6 +144,41 @@ __device__ __forceinline__ T ds4_shfl(T v, int src) {
 #endif
 }
 
+// The largest and the smallest of the 32 lanes' values (full-warp participation required; every lane
+// gets the result). CUDA sm_80+: one redux instruction each; elsewhere five butterfly rounds.
+__device__ __forceinline__ uint32_t ds4_warp_max_u32(uint32_t v) {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_max_sync(0xffffffffu, v);
+#else
+  for (int m = DS4_WARP / 2; m >= 1; m >>= 1) v = max(v, ds4_shfl_xor(v, m));
+  return v;
+#endif
+}
+
+__device__ __forceinline__ uint32_t ds4_warp_min_u32(uint32_t v) {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+  return __reduce_min_sync(0xffffffffu, v);
+#else
+  for (int m = DS4_WARP / 2; m >= 1; m >>= 1) v = min(v, ds4_shfl_xor(v, m));
+  return v;
+#endif
+}
+
+// How many lanes below `lane` (the caller's lane, 0..31) hold the same v (full-warp participation
+// required). CUDA sm_70+: one match instruction; elsewhere a walk of the 32 lanes' values.
+__device__ __forceinline__ int ds4_same_below(int v, int lane) {
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  return __popc(__match_any_sync(0xffffffffu, v) & ((1u << lane) - 1u));
+#else
+  int same = 0;
+  for (int j = 0; j < DS4_WARP; ++j) {
+    const int o = ds4_shfl(v, j);
+    same += j < lane && o == v;
+  }
+  return same;
+#endif
+}
+
 // Host-and-device helpers: the decoders in common.cuh / matvec.cuh are DS4_HD so the harness can
 // run them on the CPU too (ext/gpu/bench/harness.cu --decode checks them without a GPU).
 #define DS4_HD __host__ __device__ __forceinline__
