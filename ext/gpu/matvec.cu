@@ -667,10 +667,12 @@ constexpr int kPartsThreads = 256;
 
 __global__ void __launch_bounds__(kPartsThreads)
     build_parts_kernel(const int32_t* __restrict__ pair_expert, int n_pairs, int n_expert, int max_part,
-                       int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts, int32_t* __restrict__ n_parts) {
+                       int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts, int32_t* __restrict__ n_parts,
+                       bool warp_counts) {
   ds4_grid_begin();
   extern __shared__ int32_t parts_sm[];
-  build_parts_block<kPartsThreads>(pair_expert, n_pairs, n_expert, max_part, sorted, parts, n_parts, parts_sm);
+  build_parts_block<kPartsThreads>(pair_expert, n_pairs, n_expert, max_part, sorted, parts, n_parts, parts_sm,
+                                   warp_counts);
 }
 
 // --- the fused router (pass 18) -----------------------------------------------------------------
@@ -1021,9 +1023,19 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   if (max_part < 1 || max_part > kMaxPartCols) throw std::invalid_argument("build_expert_parts: max_part must be 1..8");
   if (n_pairs < 0 || n_expert < 1 || n_expert > 4096)
     throw std::invalid_argument("build_expert_parts: need n_pairs >= 0 and 1..4096 experts");
-  const size_t smem = static_cast<size_t>(build_parts_smem(n_expert, kPartsThreads));
+  // The warps' count table where it keeps the block within the 48 KB every device gives without
+  // asking (up to ~1,000 experts); above that the walk, and the block asks for the rest once (4096
+  // experts take 51 KB).
+  static const bool asked = (cudaFuncSetAttribute(reinterpret_cast<const void*>(&build_parts_kernel),
+                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                                  build_parts_smem(4096, kPartsThreads)),
+                             true);
+  (void)asked;
+  const bool warp_counts = build_parts_smem(n_expert, kPartsThreads, true) <= 48 * 1024;
+  const size_t smem = static_cast<size_t>(build_parts_smem(n_expert, kPartsThreads, warp_counts));
   launch(build_parts_kernel, 1, kPartsThreads, smem, static_cast<cudaStream_t>(stream),
-      pair_expert, n_pairs, n_expert, max_part, sorted_pairs, reinterpret_cast<ExpertPartDev*>(parts), n_parts);
+      pair_expert, n_pairs, n_expert, max_part, sorted_pairs, reinterpret_cast<ExpertPartDev*>(parts), n_parts,
+      warp_counts);
   DS4_GPU_CHECK_LAUNCH("build_parts_kernel");
 }
 

@@ -153,38 +153,54 @@ __device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const floa
   }
 }
 
-// Shared memory build_parts_block takes: three ints an expert and one, then two a thread.
-__host__ __device__ constexpr int build_parts_smem(int n_expert, int threads) {
-  return 4 * (3 * n_expert + 1 + 2 * threads);
+// Shared memory build_parts_block takes: three ints an expert and one, then two a thread; with
+// warp_counts, a table of an int an expert a warp after them.
+__host__ __device__ constexpr int build_parts_smem(int n_expert, int threads, bool warp_counts = false) {
+  return 4 * (3 * n_expert + 1 + 2 * threads + (warp_counts ? threads / DS4_WARP * n_expert : 0));
 }
 
 // Sort the pairs by expert (stably) into parts of at most max_part pairs, with the block's THREADS
-// threads (smem: build_parts_smem(n_expert, THREADS) bytes). pair_expert was written by an earlier
-// launch or by this block before a block barrier. Integer counts, scans and ranks: the same bytes
-// whatever THREADS is.
+// threads (smem: build_parts_smem(n_expert, THREADS, warp_counts) bytes). pair_expert was written by
+// an earlier launch or by this block before a block barrier. Integer counts, scans and ranks: the
+// same bytes whatever THREADS is, with or without warp_counts.
 //
 // A pair's rank among its expert's pairs (`before`) is the count of the earlier pairs with the same
 // expert. Until pass 21 each thread counted them by walking every earlier pair, O(n_pairs^2): 10.7 ms
 // of a 2048-row prompt step (12,288 pairs). Now the block takes the pairs THREADS at a time in
 // order: a pair's earlier pairs are those of the chunks before (a running count per expert, `seen`),
-// those of the earlier warps in its chunk (read from shared memory) and those of the earlier lanes
-// of its warp (a shuffle walk). The same integer, so the same bytes.
+// those of the earlier warps in its chunk and those of the earlier lanes of its warp (the match
+// mask's lanes below it). The earlier warps' pairs: with warp_counts, each warp's count of each of
+// its experts in a table (written by the expert's first lane in the warp, read by the later warps,
+// cleared by its writer after the chunk: a read a warp); else a walk of the chunk's experts in
+// shared memory (up to THREADS - 32 reads a thread: 111 us a 2048-row launch at 256 threads, pass
+// 40 call 2). The same integer either way, so the same bytes.
 template <int THREADS>
 __device__ __forceinline__ void build_parts_block(const int32_t* pair_expert, int n_pairs, int n_expert, int max_part,
                                                   int32_t* __restrict__ sorted, ExpertPartDev* __restrict__ parts,
-                                                  int32_t* __restrict__ n_parts, int32_t* sm) {
+                                                  int32_t* __restrict__ n_parts, int32_t* sm,
+                                                  bool warp_counts = false) {
   static_assert(THREADS % DS4_WARP == 0, "build_parts_block: whole warps");
   int32_t* cnt = sm;                        // [n_expert] pairs per expert; then `seen`
   int32_t* less = sm + n_expert;            // [n_expert + 1] pairs with a smaller expert
   int32_t* pbefore = less + n_expert + 1;   // [n_expert] parts of smaller experts
   int32_t* run_pairs = pbefore + n_expert;  // [THREADS]; then a chunk's experts
   int32_t* run_parts = run_pairs + THREADS;  // [THREADS]
+  int32_t* wcnt = run_parts + THREADS;       // with warp_counts: [THREADS / 32][n_expert], zero between chunks
   const int t = static_cast<int>(threadIdx.x);
   for (int e = t; e < n_expert; e += THREADS) cnt[e] = 0;
+  if (warp_counts)
+    for (int j = t; j < THREADS / DS4_WARP * n_expert; j += THREADS) wcnt[j] = 0;
   __syncthreads();
-  for (int p = t; p < n_pairs; p += THREADS) {
-    const int e = pair_expert[p];
-    if (e >= 0 && e < n_expert) atomicAdd(&cnt[e], 1);
+  // pair_expert may be in shared memory (the fused router's), so the compiler cannot move a load
+  // past an atomic: 4 loads first, then their 4 counts.
+  constexpr int kCountBatch = 4;
+  for (int p0 = t; p0 < n_pairs; p0 += kCountBatch * THREADS) {
+    int eb[kCountBatch];
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j) eb[j] = p0 + j * THREADS < n_pairs ? pair_expert[p0 + j * THREADS] : -1;
+#pragma unroll
+    for (int j = 0; j < kCountBatch; ++j)
+      if (eb[j] >= 0 && eb[j] < n_expert) atomicAdd(&cnt[eb[j]], 1);
   }
   __syncthreads();
   // Exclusive prefix sums of the pair and part counts over the experts: each thread sums its own
@@ -233,20 +249,32 @@ __device__ __forceinline__ void build_parts_block(const int32_t* pair_expert, in
   int32_t* seen = cnt;         // [n_expert] pairs of each expert in the chunks before
   int32_t* chunk = run_pairs;  // [THREADS] the chunk's experts (-1: no valid pair)
   for (int e = t; e < n_expert; e += THREADS) seen[e] = 0;
+  const int warp = t / DS4_WARP;
+  int pe_next = t < n_pairs ? pair_expert[t] : -1;  // each chunk loads the next one's expert
   for (int c0 = 0; c0 < n_pairs; c0 += THREADS) {
     const int p = c0 + t;
-    const int pe = p < n_pairs ? pair_expert[p] : -1;
+    const int pe = pe_next;
+    pe_next = p + THREADS < n_pairs ? pair_expert[p + THREADS] : -1;
     const int e = pe >= 0 && pe < n_expert ? pe : -1;  // an invalid route is left out of every part
-    chunk[t] = e;
-    __syncthreads();  // the chunk's experts; the chunks before counted into seen
-    // The earlier warps' pairs of this chunk (past the last pair every entry is -1: no match for a
-    // valid e, and an invalid e's count is not used).
-    int same = 0;
-    const int qn = min(wbase, n_pairs - c0);
-    for (int q = 0; q < qn; ++q) same += chunk[q] == e;
-    same += ds4_same_below(e, lane);  // the earlier lanes' of this warp
+    const uint32_t mates = ds4_match_mask(e);          // this warp's lanes with the same expert
+    const int below = __popc(mates & ((1u << lane) - 1u));
+    if (!warp_counts) chunk[t] = e;
+    else if (e >= 0 && below == 0) wcnt[warp * n_expert + e] = __popc(mates);
+    __syncthreads();  // the chunk's experts or the warps' counts; the chunks before counted into seen
+    // The earlier warps' pairs of this chunk (past the last pair every chunk entry is -1: no match
+    // for a valid e, and an invalid e's count is not used), then the earlier lanes' of this warp.
+    int same = below;
+    if (warp_counts) {
+      if (e >= 0)
+        for (int w = 0; w < warp; ++w) same += wcnt[w * n_expert + e];
+    } else {
+      const int qn = min(wbase, n_pairs - c0);
+      for (int q = 0; q < qn; ++q) same += chunk[q] == e;
+    }
     const int before = e >= 0 ? seen[e] + same : 0;
-    __syncthreads();  // every thread read chunk and seen
+    __syncthreads();  // every thread read chunk (or the counts) and seen
+    if (warp_counts && e >= 0 && below == 0) wcnt[warp * n_expert + e] = 0;
+    ds4_syncwarp();  // the clears before this warp's next counts
     if (e < 0) continue;
     atomicAdd(&seen[e], 1);
     const int rank = less[e] + before;

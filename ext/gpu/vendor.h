@@ -164,18 +164,15 @@ __device__ __forceinline__ uint32_t ds4_warp_min_u32(uint32_t v) {
 #endif
 }
 
-// How many lanes below `lane` (the caller's lane, 0..31) hold the same v (full-warp participation
+// The lanes of this warp whose v equals the caller's, as a bit mask (full-warp participation
 // required). CUDA sm_70+: one match instruction; elsewhere a walk of the 32 lanes' values.
-__device__ __forceinline__ int ds4_same_below(int v, int lane) {
+__device__ __forceinline__ uint32_t ds4_match_mask(int v) {
 #if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
-  return __popc(__match_any_sync(0xffffffffu, v) & ((1u << lane) - 1u));
+  return __match_any_sync(0xffffffffu, v);
 #else
-  int same = 0;
-  for (int j = 0; j < DS4_WARP; ++j) {
-    const int o = ds4_shfl(v, j);
-    same += j < lane && o == v;
-  }
-  return same;
+  uint32_t mask = 0;
+  for (int j = 0; j < DS4_WARP; ++j) mask |= static_cast<uint32_t>(ds4_shfl(v, j) == v) << j;
+  return mask;
 #endif
 }
 

@@ -57,8 +57,11 @@ def parts_of(ids: np.ndarray, n_expert: int, max_part: int):
 
 
 # (pairs, experts, max_part): one chunk of build_parts_kernel's 256 threads; the chunk edges; a
-# 2048-row prompt step of flash-l4 (12,288 pairs over 256 experts); three experts, long runs.
-PARTS = [(40, 256, 8), (255, 16, 8), (256, 16, 3), (257, 16, 8), (12288, 256, 8), (5000, 3, 8)]
+# 2048-row prompt step of flash-l4 (12,288 pairs over 256 experts); three experts, long runs (these
+# with the warps' count table); then experts too many for the table (the walk of the chunk), up to
+# 4096 (51 KB of shared memory, past the 48 KB a launch gets without asking).
+PARTS = [(40, 256, 8), (255, 16, 8), (256, 16, 3), (257, 16, 8), (12288, 256, 8), (5000, 3, 8), (3000, 1500, 8),
+         (700, 4096, 4)]
 
 
 @pytest.mark.parametrize("n_pairs, n_expert, max_part", PARTS, ids=[f"{p}p-{e}e-{m}" for p, e, m in PARTS])
