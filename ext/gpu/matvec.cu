@@ -1026,10 +1026,11 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   // The warps' count table where it keeps the block within the 48 KB every device gives without
   // asking (up to ~1,000 experts); above that the walk, and the block asks for the rest once (4096
   // experts take 51 KB).
-  static const bool asked = (cudaFuncSetAttribute(reinterpret_cast<const void*>(&build_parts_kernel),
-                                                  cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                  build_parts_smem(4096, kPartsThreads)),
-                             true);
+  static const bool asked = [] {
+    (void)cudaFuncSetAttribute(reinterpret_cast<const void*>(&build_parts_kernel),
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, build_parts_smem(4096, kPartsThreads));
+    return true;
+  }();
   (void)asked;
   const bool warp_counts = build_parts_smem(n_expert, kPartsThreads, true) <= 48 * 1024;
   const size_t smem = static_cast<size_t>(build_parts_smem(n_expert, kPartsThreads, warp_counts));

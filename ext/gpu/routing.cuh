@@ -69,8 +69,8 @@ __device__ __forceinline__ uint32_t route_key(float v) {
 // dependent shuffles).
 __device__ __forceinline__ int route_best(float bv, int be) {
   const uint32_t key = be >= 0 ? route_key(bv) : 0u;
-  const uint32_t top = ds4_warp_max_u32(key);
-  const uint32_t id = ds4_warp_min_u32(be >= 0 && key == top ? static_cast<uint32_t>(be) : 0xffffffffu);
+  const uint32_t top = ds4_warp_reduce_u32<true>(key);
+  const uint32_t id = ds4_warp_reduce_u32<false>(be >= 0 && key == top ? static_cast<uint32_t>(be) : 0xffffffffu);
   return id == 0xffffffffu ? -1 : static_cast<int>(id);
 }
 

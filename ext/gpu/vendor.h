@@ -144,22 +144,17 @@ __device__ __forceinline__ T ds4_shfl(T v, int src) {
 #endif
 }
 
-// The largest and the smallest of the 32 lanes' values (full-warp participation required; every lane
-// gets the result). CUDA sm_80+: one redux instruction each; elsewhere five butterfly rounds.
-__device__ __forceinline__ uint32_t ds4_warp_max_u32(uint32_t v) {
+// The largest (MAX) or the smallest of the 32 lanes' values (full-warp participation required;
+// every lane gets the result). CUDA sm_80+: one redux instruction; elsewhere five butterfly rounds.
+template <bool MAX>
+__device__ __forceinline__ uint32_t ds4_warp_reduce_u32(uint32_t v) {
 #if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_max_sync(0xffffffffu, v);
+  return MAX ? __reduce_max_sync(0xffffffffu, v) : __reduce_min_sync(0xffffffffu, v);
 #else
-  for (int m = DS4_WARP / 2; m >= 1; m >>= 1) v = max(v, ds4_shfl_xor(v, m));
-  return v;
-#endif
-}
-
-__device__ __forceinline__ uint32_t ds4_warp_min_u32(uint32_t v) {
-#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-  return __reduce_min_sync(0xffffffffu, v);
-#else
-  for (int m = DS4_WARP / 2; m >= 1; m >>= 1) v = min(v, ds4_shfl_xor(v, m));
+  for (int m = DS4_WARP / 2; m >= 1; m >>= 1) {
+    const uint32_t o = ds4_shfl_xor(v, m);
+    v = MAX ? max(v, o) : min(v, o);
+  }
   return v;
 #endif
 }
