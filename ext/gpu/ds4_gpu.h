@@ -64,8 +64,10 @@ void matvec(const TensorView& W, const float* X, int ncols, int64_t ldx, float* 
 void matvec_batched(const TensorView& W, int n_batch, int64_t w_stride_bytes, const float* X, int64_t x_stride,
                     int ncols, int64_t ldx, float* Y, int64_t y_stride, int64_t ldy, Stream stream, bool tall = false,
                     int staged_min = kMatvecStagedMin);
-// Reads the device's limits for the staged kernel and raises its shared-memory attribute; matvec
-// calls it on first use, but a caller that captures graphs calls it before the first capture.
+// Reads the device's limits for the staged kernel and raises the shared-memory attributes of the
+// kernels that take more than 48 KB (the staged and tall kernels, build_parts at 4096 experts); matvec
+// and build_expert_parts call it on first use, but a caller that captures graphs calls it before the
+// first capture.
 void matvec_prepare();
 
 // Sort pairs by expert (stably) into parts of at most max_part (1..8) pairs, on the device.

@@ -771,6 +771,9 @@ void prepare_tall2_one() {
 void matvec_prepare() {
   std::call_once(g_staged_once, [] {
     prepare_staged();
+    // build_parts_kernel's walk at its most experts (build_expert_parts: 4096, 51 KB).
+    (void)cudaFuncSetAttribute(reinterpret_cast<const void*>(&build_parts_kernel),
+                               cudaFuncAttributeMaxDynamicSharedMemorySize, build_parts_smem(4096, kPartsThreads));
     prepare_tall2_one<1>();
     prepare_tall2_one<2>();
     prepare_tall2_one<3>();
@@ -1024,14 +1027,9 @@ void build_expert_parts(const int32_t* pair_expert, int n_pairs, int n_expert, i
   if (n_pairs < 0 || n_expert < 1 || n_expert > 4096)
     throw std::invalid_argument("build_expert_parts: need n_pairs >= 0 and 1..4096 experts");
   // The warps' count table where it keeps the block within the 48 KB every device gives without
-  // asking (up to ~1,000 experts); above that the walk, and the block asks for the rest once (4096
-  // experts take 51 KB).
-  static const bool asked = [] {
-    (void)cudaFuncSetAttribute(reinterpret_cast<const void*>(&build_parts_kernel),
-                               cudaFuncAttributeMaxDynamicSharedMemorySize, build_parts_smem(4096, kPartsThreads));
-    return true;
-  }();
-  (void)asked;
+  // asking (up to ~1,000 experts); above that the walk (matvec_prepare raised the limit for 4096
+  // experts' 51 KB).
+  matvec_prepare();
   const bool warp_counts = build_parts_smem(n_expert, kPartsThreads, true) <= 48 * 1024;
   const size_t smem = static_cast<size_t>(build_parts_smem(n_expert, kPartsThreads, warp_counts));
   launch(build_parts_kernel, 1, kPartsThreads, smem, static_cast<cudaStream_t>(stream),

@@ -273,8 +273,10 @@ __device__ __forceinline__ void build_parts_block(const int32_t* pair_expert, in
     }
     const int before = e >= 0 ? seen[e] + same : 0;
     __syncthreads();  // every thread read chunk (or the counts) and seen
-    if (warp_counts && e >= 0 && below == 0) wcnt[warp * n_expert + e] = 0;
-    ds4_syncwarp();  // the clears before this warp's next counts
+    if (warp_counts) {
+      if (e >= 0 && below == 0) wcnt[warp * n_expert + e] = 0;
+      ds4_syncwarp();  // the clears before this warp's next counts
+    }
     if (e < 0) continue;
     atomicAdd(&seen[e], 1);
     const int rank = less[e] + before;
