@@ -578,7 +578,7 @@ template <int R>
 __global__ void __launch_bounds__(DS4_WARP) route_kernel(const float* __restrict__ logits, const RouteArgs a) {
   __shared__ RouteShared sh;
   const int i = static_cast<int>(blockIdx.x);
-  if (a.hash) route_hash_ids(a, i, sh);
+  if (a.hash) route_hash_ids(a, i, sh.chosen);
   ds4_grid_begin();
   route_lane<R>(a, i, logits + static_cast<int64_t>(i) * a.n_expert, sh);
 }

@@ -702,6 +702,11 @@ __global__ void __launch_bounds__(kMatvecThreads)
   __shared__ bool last;
   extern __shared__ int32_t router_parts_sm[];
   const int64_t br = kMatvecWarps / ks;
+  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+  // A hash layer's experts before the product, by every block (step inputs and a weight): the last
+  // block's route then does not wait on their two dependent loads (pass 41).
+  if (ra.hash)
+    for (int i = warp; i < n; i += kMatvecWarps) route_hash_ids(ra, i, ids_s + i * ra.k_used);
   matvec_blocks<T, NC, R, S>(W, row_bytes, rows, units, ks, blockIdx.x, gridDim.x, (rows + br - 1) / br,
                              GlobalX<DenseOff>{X, DenseOff{ldx}}, Y, DenseOff{rows}, part, chunked, wbuf);
   __threadfence();  // this block's logits, before it counts itself done
@@ -710,10 +715,11 @@ __global__ void __launch_bounds__(kMatvecThreads)
   __syncthreads();
   if (!last) return;
   __threadfence();  // every block's logits, after their count
-  const int warp = static_cast<int>(threadIdx.x) / DS4_WARP;
+  const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   for (int i = warp; i < n; i += kMatvecWarps) {
     ds4_syncwarp();  // the warp's last lane is done with rsh (route_lane's outputs)
-    if (ra.hash) route_hash_ids(ra, i, rsh[warp]);
+    if (ra.hash)
+      for (int k = lane; k < ra.k_used; k += DS4_WARP) rsh[warp].chosen[k] = ids_s[i * ra.k_used + k];
     route_lane<8>(ra, i, Y + static_cast<int64_t>(i) * rows, rsh[warp], ids_s);
   }
   __syncthreads();  // the ids, for every thread's parts (from shared memory, not back from L2)

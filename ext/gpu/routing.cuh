@@ -74,12 +74,12 @@ __device__ __forceinline__ int route_best(float bv, int be) {
   return id == 0xffffffffu ? -1 : static_cast<int>(id);
 }
 
-// A hash layer's experts of lane i (tid2eid is a weight and the tokens are step inputs, so a
-// launch may read them before its grid wait).
-__device__ __forceinline__ void route_hash_ids(const RouteArgs& a, int i, RouteShared& sh) {
+// A hash layer's experts of lane i into chosen[k_used] by the calling warp (tid2eid is a weight and
+// the tokens are step inputs, so a launch may read them before its grid wait).
+__device__ __forceinline__ void route_hash_ids(const RouteArgs& a, int i, int32_t* chosen) {
   const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   for (int k = lane; k < a.k_used; k += DS4_WARP)
-    sh.chosen[k] = a.tid2eid[static_cast<int64_t>(a.tokens[i]) * a.k_used + k];
+    chosen[k] = a.tid2eid[static_cast<int64_t>(a.tokens[i]) * a.k_used + k];
 }
 
 // Lane i's route by the calling warp from its router logits lg[n_expert] (read from L2: in the
@@ -100,12 +100,22 @@ __device__ __forceinline__ void route_lane(const RouteArgs& a, int i, const floa
                                            int32_t* ids_copy = nullptr) {
   const int lane = static_cast<int>(threadIdx.x) % DS4_WARP;
   if (!a.hash) {
+    // The R logits and biases first, every load in flight at once (an expert past n_expert loads
+    // expert 0's and drops it), then the arithmetic. With each load inside its expert's branch
+    // (softplus's ranges, e < n_expert) ptxas issued it after the previous expert's arithmetic: 2 R
+    // dependent round trips to L2, ~7 us of a C = 1 step's non-hash router (pass 41).
     float score[R], weight[R];
 #pragma unroll
     for (int j = 0; j < R; ++j) {
-      const int e = lane + DS4_WARP * j;
-      weight[j] = e < a.n_expert ? sqrtf(softplus_dev(ds4_ldcg(lg + e))) : 0.0f;
-      score[j] = e < a.n_expert ? weight[j] + a.bias[e] : 0.0f;
+      const int e = lane + DS4_WARP * j < a.n_expert ? lane + DS4_WARP * j : 0;
+      weight[j] = ds4_ldcg(lg + e);
+      score[j] = a.bias[e];
+    }
+#pragma unroll
+    for (int j = 0; j < R; ++j) {
+      const bool in = lane + DS4_WARP * j < a.n_expert;
+      weight[j] = in ? sqrtf(softplus_dev(weight[j])) : 0.0f;
+      score[j] = in ? weight[j] + score[j] : 0.0f;
     }
     uint32_t taken[(R + 31) / 32] = {};  // bit j % 32 of word j / 32: expert lane + 32 j is chosen
     for (int k = 0; k < a.k_used; ++k) {
