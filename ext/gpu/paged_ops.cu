@@ -39,6 +39,7 @@
 //                      128 positions of each slot). Bytes: 4 * head_dim per lane.
 #include <algorithm>
 #include <atomic>
+#include <cstdlib>
 #include <string>
 
 #include "launch.cuh"
@@ -565,16 +566,25 @@ __device__ inline float* attn_q_shared(unsigned char* smem, int cap, int hb) {
 // grid (head groups, splits bound, lanes): one split of one lane for HB heads (rowops.cuh).
 template <int HB>
 __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(AttentionLaunch a, StepLanes L, int cap) {
-  ds4_grid_begin();
   extern __shared__ __align__(16) unsigned char smem[];
   const uint16_t** kp = reinterpret_cast<const uint16_t**>(smem);   // [cap] key rows
   float* lg = reinterpret_cast<float*>(smem + sizeof(void*) * cap);  // [HB][cap]
   const int li = static_cast<int>(blockIdx.z), c = static_cast<int>(blockIdx.y);
   const int h0 = static_cast<int>(blockIdx.x) * HB, nh = min(HB, a.n_head - h0);
+  // The lane's keys, and the rows of those that step inputs alone locate (the window; the compressed
+  // rows where no selection picks them), before the grid wait (a.early, pass 41): their loads overlap
+  // the previous kernel. A selection's rows (this step's indexer) after it.
+  if (!a.early) ds4_grid_begin();
   const LaneKeys k = lane_keys(a, L, li);
-  if (c >= attn_splits(k.n, a.split_min)) return;  // the whole block: no barrier is skipped by part of it
-  const int chunk = attn_split_keys(k.n, a.split_min), j0 = c * chunk, nk = min(chunk, k.n - j0);
-  for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads) kp[j] = key_row(a, L, k, li, j0 + j);
+  const bool live = c < attn_splits(k.n, a.split_min);
+  const int chunk = attn_split_keys(k.n, a.split_min), j0 = c * chunk, nk = live ? min(chunk, k.n - j0) : 0;
+  for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads)
+    if (!k.use_sel || j0 + j < k.n_win) kp[j] = key_row(a, L, k, li, j0 + j);
+  if (a.early) ds4_grid_begin();
+  if (!live) return;  // the whole block: no barrier is skipped by part of it
+  if (k.use_sel)
+    for (int j = static_cast<int>(threadIdx.x); j < nk; j += kAttnThreads)
+      if (j0 + j >= k.n_win) kp[j] = key_row(a, L, k, li, j0 + j);
   const float scale = static_cast<float>(1.0 / sqrt(static_cast<double>(a.head_dim)));
   const int64_t head = static_cast<int64_t>(li) * a.n_head + h0;
   const float* q = a.q + head * a.head_dim;
@@ -598,9 +608,11 @@ __global__ void __launch_bounds__(kAttnThreads) attention_split_kernel(Attention
 
 // grid (heads, lanes): the splits of one (lane, head) merged with the sink, then the inverse tail RoPE.
 __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(AttentionLaunch a, StepLanes L) {
-  ds4_grid_begin();
   __shared__ float rc[kAttnMaxRopeHalf], rs[kAttnMaxRopeHalf];
   const int h = static_cast<int>(blockIdx.x), li = static_cast<int>(blockIdx.y);
+  // The lane's keys and the inverse RoPE's table (step inputs and constants) before the grid wait
+  // (a.early, pass 41): the position's load and the double sincos overlap the split kernel.
+  if (!a.early) ds4_grid_begin();
   const LaneKeys k = lane_keys(a, L, li);
   const int half = a.rope_dim / 2;
   for (int j = static_cast<int>(threadIdx.x); j < half; j += kAttnCombineThreads) {
@@ -609,6 +621,7 @@ __global__ void __launch_bounds__(kAttnCombineThreads) attention_combine_kernel(
     rc[j] = static_cast<float>(c);
     rs[j] = -static_cast<float>(s);  // the inverse rotation
   }
+  if (a.early) ds4_grid_begin();
   __syncthreads();
   const int64_t head = static_cast<int64_t>(li) * a.n_head + h;
   attn_combine_head(a.part + head * kAttnMaxSplits * a.head_dim, a.part_stats + head * kAttnMaxSplits * 2,
@@ -783,6 +796,14 @@ int set_attn_split_min(int keys) {
 
 }  // namespace testing
 
+bool attn_early() {
+  static const bool early = [] {
+    const char* e = std::getenv("DS4_GPU_ATTN_EARLY");
+    return !(e != nullptr && std::string(e) == "0");
+  }();
+  return early;
+}
+
 void attention_prepare() {
   prepare_attention_kernel<4>();
   prepare_attention_kernel<2>();
@@ -804,6 +825,7 @@ void attention_paged(const AttentionLaunch& a_in, const StepLanes& L, int n, Str
     throw std::invalid_argument("GPU attention: planes need head_dim % 32 == 0 and whole heads a member");
   if (attn_dyn_limit[1] == 0) attention_prepare();  // outside a capture: engines prepare at construction
   AttentionLaunch a = a_in;
+  a.early = attn_early();
   a.part_stats = a.part + static_cast<int64_t>(n) * a.n_head * kAttnMaxSplits * a.head_dim;
   const int bound = std::max(a.max_keys, 1);
   a.split_min = attn_split_min();

@@ -204,6 +204,7 @@ struct AttentionLaunch {
   bool q_raw = false;
   float q_eps = 0.0f;
   int split_min = 0;  // the fewest keys a split (rowops.cuh attn_split_keys): set by attention_paged
+  bool early = true;  // set by attention_paged from attn_early()
 };
 // Each lane's keys are split over up to 8 blocks per head group (the split depends on the lane's own
 // key count only), then a second kernel merges the splits per (lane, head) in a fixed order.
@@ -213,6 +214,9 @@ void attention_paged(const AttentionLaunch& a, const StepLanes& L, int n, Stream
 // - Heads a split block: 0 the rule (two for one or two lanes, else four), else 1, 2 or 4. The same bits.
 // - The fewest keys a split: kAttnSplitKeys (64) by default, 8..256 in steps of 8. It changes the
 //   bits, the same way in decode and prompt steps, so each contract holds within one setting.
+// - Step-input work before the grid wait (pass 41; DS4_GPU_ATTN_EARLY=0 puts it after, read once a
+//   process, for measurement): the split kernel's key rows and the combine's RoPE table. The same bits.
+bool attn_early();
 int attn_heads_setting();
 int attn_heads_a_block(int n_lanes);  // what a launch of n_lanes lanes asks for
 int attn_split_min();
