@@ -29,6 +29,9 @@ And one launch choice without a switch: F32/F16/BF16 matrices of fewer row block
 row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; their columns must
 still equal single columns at every width and the CPU within the usual bound.
 
+And one switch read once a process, so tested in a child process: DS4_GPU_ATTN_EARLY=0 puts the split
+attention's step-input work (its keys' rows, the combine's inverse RoPE table) after the grid wait.
+
 The engine's logits over decode, packed prompts and several lanes, eager and under graphs, with the
 SIMT and the tensor-core products (whose kernels are launched without the PDL attribute, so the
 chain mixes both kinds of edge), must be bit-identical with each switch on and off.
@@ -36,7 +39,11 @@ chain mixes both kinds of edge), must be bit-identical with each switch on and o
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,6 +226,50 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
         for k, (a, b) in enumerate(zip(off, on)):
             assert np.isfinite(a).all()
             assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
+
+
+# A child process's logits over cases(), eager and under graphs (keys graphs_case_sequence).
+CASES_CHILD = """
+import sys
+import numpy as np
+from ds4_app.engine.gguf_file import ModelFile
+from tests.engine_cases import run
+from tests.gpu.test_gpu_fused import gpu_engine
+from tests.gpu.test_gpu_launch_switches import cases
+mf = ModelFile.open(sys.argv[1])
+eng = gpu_engine(mf)
+out = {}
+for graphs in (False, True):
+    eng.use_graphs = graphs
+    for c, seqs in enumerate(cases(mf)):
+        for s in seqs:
+            eng.reset_slot(s.slot)
+        for k, a in enumerate(run(eng, seqs)):
+            out[f"{int(graphs)}_{c}_{k}"] = a
+np.savez(sys.argv[2], **out)
+"""
+
+
+def test_attention_step_input_work_after_the_grid_wait_gives_the_same_bits(tiny_model_file,  # noqa: F811
+                                                                           tmp_path, restore_pdl) -> None:
+    """The split and combine kernels locate their keys and build the inverse RoPE table before their
+    grid wait unless DS4_GPU_ATTN_EARLY=0 (read once a process): a child process with the work after
+    the wait gives the same logits, eager and under graphs, for one lane, three lanes and a prompt 16
+    rows a step (tiny's CSA layers select their rows past 32 tokens, located after the wait either way)."""
+    env = dict(os.environ, DS4_GPU_ATTN_EARLY="0")
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", CASES_CHILD, str(tiny_model_file.path), str(tmp_path / "out.npz")],
+                   env=env, cwd=root, check=True, timeout=300)
+    child = np.load(tmp_path / "out.npz")
+    eng = gpu_engine(tiny_model_file)
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        for c, seqs in enumerate(cases(tiny_model_file)):
+            for s in seqs:
+                eng.reset_slot(s.slot)
+            for k, a in enumerate(run(eng, seqs)):
+                assert np.isfinite(a).all()
+                assert np.array_equal(bits(a), bits(child[f"{int(graphs)}_{c}_{k}"])), (graphs, c, k)
 
 
 # The measurement settings that change bits: (the setter's hook, its default's value, the other value tried).
