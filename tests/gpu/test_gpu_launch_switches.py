@@ -228,25 +228,27 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
             assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
 
 
-# A child process's logits over cases(), eager and under graphs (keys graphs_case_sequence).
+def logits_over_cases(eng, mf) -> dict[str, np.ndarray]:
+    """The engine's logits over cases(), eager and under graphs, keyed graphs_case_sequence."""
+    out = {}
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        for c, seqs in enumerate(cases(mf)):
+            for s in seqs:
+                eng.reset_slot(s.slot)
+            for k, a in enumerate(run(eng, seqs)):
+                out[f"{int(graphs)}_{c}_{k}"] = a
+    return out
+
+
 CASES_CHILD = """
 import sys
 import numpy as np
 from ds4_app.engine.gguf_file import ModelFile
-from tests.engine_cases import run
 from tests.gpu.test_gpu_fused import gpu_engine
-from tests.gpu.test_gpu_launch_switches import cases
+from tests.gpu.test_gpu_launch_switches import logits_over_cases
 mf = ModelFile.open(sys.argv[1])
-eng = gpu_engine(mf)
-out = {}
-for graphs in (False, True):
-    eng.use_graphs = graphs
-    for c, seqs in enumerate(cases(mf)):
-        for s in seqs:
-            eng.reset_slot(s.slot)
-        for k, a in enumerate(run(eng, seqs)):
-            out[f"{int(graphs)}_{c}_{k}"] = a
-np.savez(sys.argv[2], **out)
+np.savez(sys.argv[2], **logits_over_cases(gpu_engine(mf), mf))
 """
 
 
@@ -261,15 +263,11 @@ def test_attention_step_input_work_after_the_grid_wait_gives_the_same_bits(tiny_
     subprocess.run([sys.executable, "-c", CASES_CHILD, str(tiny_model_file.path), str(tmp_path / "out.npz")],
                    env=env, cwd=root, check=True, timeout=300)
     child = np.load(tmp_path / "out.npz")
-    eng = gpu_engine(tiny_model_file)
-    for graphs in (False, True):
-        eng.use_graphs = graphs
-        for c, seqs in enumerate(cases(tiny_model_file)):
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            for k, a in enumerate(run(eng, seqs)):
-                assert np.isfinite(a).all()
-                assert np.array_equal(bits(a), bits(child[f"{int(graphs)}_{c}_{k}"])), (graphs, c, k)
+    ours = logits_over_cases(gpu_engine(tiny_model_file), tiny_model_file)
+    assert sorted(child.files) == sorted(ours) and len(ours) == 2 * 5
+    for key, a in ours.items():
+        assert np.isfinite(a).all()
+        assert np.array_equal(bits(a), bits(child[key])), key
 
 
 # The measurement settings that change bits: (the setter's hook, its default's value, the other value tried).
