@@ -306,10 +306,11 @@ __device__ __forceinline__ void ds4_syncwarp() {
 // is still running; its blocks then run up to ds4_grid_wait(), which returns once that kernel has
 // completed and its writes are visible. So every kernel launched through ds4::gpu::launch calls
 // ds4_grid_wait() before it reads anything an earlier kernel wrote and before it writes anything;
-// before it, only reads of constant data (weights) are allowed. ds4_grid_release() lets the next
-// kernel of the stream be scheduled now (each block issues it after its wait, so at most one
-// kernel runs ahead). Both are no-ops for a kernel launched without the attribute, and on other
-// devices (HIP, pre-Hopper), where launch.cuh never sets it.
+// before it, only reads of constant data are allowed: weights, and the step's inputs (positions,
+// tokens, block tables: in place before the step's first kernel, unchanged during it).
+// ds4_grid_release() lets the next kernel of the stream be scheduled now (each block issues it
+// after its wait, so at most one kernel runs ahead). Both are no-ops for a kernel launched without
+// the attribute, and on other devices (HIP, pre-Hopper), where launch.cuh never sets it.
 __device__ __forceinline__ void ds4_grid_wait() {
 #if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
