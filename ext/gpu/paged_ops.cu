@@ -39,7 +39,6 @@
 //                      128 positions of each slot). Bytes: 4 * head_dim per lane.
 #include <algorithm>
 #include <atomic>
-#include <cstdlib>
 #include <string>
 
 #include "launch.cuh"
@@ -764,6 +763,7 @@ static void prepare_attention_kernel() {
 namespace {
 std::atomic<int> g_attn_heads{0};                  // 0: the rule
 std::atomic<int> g_attn_split_min{kAttnSplitKeys};
+std::atomic<int> g_attn_early{-1};  // the split and combine kernels' step-input work before the wait (-1: environment)
 }  // namespace
 
 int attn_heads_setting() { return g_attn_heads.load(std::memory_order_relaxed); }
@@ -796,13 +796,7 @@ int set_attn_split_min(int keys) {
 
 }  // namespace testing
 
-bool attn_early() {
-  static const bool early = [] {
-    const char* e = std::getenv("DS4_GPU_ATTN_EARLY");
-    return !(e != nullptr && std::string(e) == "0");
-  }();
-  return early;
-}
+bool attn_early() { return env_switch(g_attn_early, "DS4_GPU_ATTN_EARLY"); }
 
 void attention_prepare() {
   prepare_attention_kernel<4>();
