@@ -244,6 +244,7 @@ struct GpuEngine::Impl {
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
   int staged_cols = kMatvecStagedMin;  // ... of at least this many columns
   bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
+  bool opening = false;   // the L2 prefetch of the step's opening only (prefetch_opening)
   uint64_t prefetch_cap = 0;  // bytes one window asks for at most
   std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
   // Key: (lanes, slot groups, logit lanes, tall, the staged kernel's least columns (off: a huge
@@ -372,9 +373,19 @@ struct GpuEngine::Impl {
     logits_host = PinnedMemory(bytes);
   }
   // Prefetch windows (kPrefetch*: the window kinds of l2_prefetch_log).
-  enum : int { kPrefetchAttnPrologue = 0, kPrefetchAttn = 1, kPrefetchFfnPrologue = 2, kPrefetchHead = 3 };
-  void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors);
-  void prefetch_attn_prologue(int l);
+  enum : int {
+    kPrefetchAttnPrologue = 0,
+    kPrefetchAttn = 1,
+    kPrefetchFfnPrologue = 2,
+    kPrefetchHead = 3,
+    kPrefetchOpening = 4
+  };
+  void ask_l2(int window, int layer, std::initializer_list<const TensorView*> tensors);
+  void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
+    if (prefetch) ask_l2(window, layer, tensors);
+  }
+  void prefetch_attn_prologue(int l, int window = kPrefetchAttnPrologue);
+  void prefetch_opening();
   CompressorLaunch compressor_launch(int l, bool indexer);
   void hc_pre_site(const HcWeights& w, const float* norm);
   HcSite site_launch(const HcWeights& w, const float* norm, float* U, uint8_t* planes) const;
@@ -420,6 +431,7 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
+  opening = env_flag("DS4_GPU_L2_OPENING", false) && l2_prefetch_supported();
   branches = env_flag("DS4_GPU_BRANCHES", true);
   hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
   route_fused = env_flag("DS4_GPU_ROUTE_FUSED", true);
@@ -746,8 +758,8 @@ void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const
 
 // One prefetch window: the tensors' bytes in order, each from its start, until prefetch_cap bytes
 // are asked for (the last one cut short; never past a tensor's end); absent tensors are skipped.
-void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
-  if (!prefetch || prefetch_cap == 0) return;
+void GpuEngine::Impl::ask_l2(int window, int layer, std::initializer_list<const TensorView*> tensors) {
+  if (prefetch_cap == 0) return;
   L2Range r[kL2PrefetchMaxRanges];
   int m = 0;
   uint64_t left = prefetch_cap;
@@ -765,11 +777,24 @@ void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_li
 
 // Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
 // the weights of those products in the order they are read.
-void GpuEngine::Impl::prefetch_attn_prologue(int l) {
+void GpuEngine::Impl::prefetch_attn_prologue(int l, int window) {
   const LayerWeights& L = dw.layers[l];
-  prefetch_window(kPrefetchAttnPrologue, l,
-                  {&L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv,
-                   &L.idx_comp.gate, &L.q_b, &L.idx_q_b});
+  const std::initializer_list<const TensorView*> weights = {
+      &L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv, &L.idx_comp.gate,
+      &L.q_b, &L.idx_q_b};
+  if (window == kPrefetchOpening) ask_l2(window, l, weights);
+  else prefetch_window(window, l, weights);
+}
+
+// The step's opening (`opening`, DS4_GPU_L2_OPENING=1; README "Pass 42"): a replayed graph starts
+// its second kernel ~10.7 us after its first, whatever the first does (every C = 1-8 timeline since
+// pass 16), so the memory system idles while the embedding runs. A prefetch on the side branch, a
+// second root of the graph, asks L2 for layer 0's attention-prologue weights in that time. Where
+// the step does not branch (the tensor-core products) it would be the chain's first kernel and
+// delay the embedding, so it is not launched; nor where every window is on (its first one is this).
+void GpuEngine::Impl::prefetch_opening() {
+  if (!opening || prefetch || !branching) return;
+  on_side([&] { prefetch_attn_prologue(0, kPrefetchOpening); });
 }
 
 // The compressor update of layer l's attention rows, or (indexer) of its indexer's rows, over this
@@ -1127,6 +1152,7 @@ void GpuEngine::Impl::launch_step() {
   x_hc = x_hc_base;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
+  prefetch_opening();
   // Every mHC stream starts as the embedding row (hc_mult copies).
   embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult);
   for (int l = 0; l < cfg.n_layer; ++l) {
