@@ -35,6 +35,7 @@
 #include "engine_gpu.h"
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -380,12 +381,14 @@ struct GpuEngine::Impl {
     kPrefetchHead = 3,
     kPrefetchOpening = 4
   };
-  void ask_l2(int window, int layer, std::initializer_list<const TensorView*> tensors);
+  int l2_window(int window, int layer, const TensorView* const* tensors, int count, L2Range* r);
+  void prefetch_window(int window, int layer, const TensorView* const* tensors, int count);
   void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
-    if (prefetch) ask_l2(window, layer, tensors);
+    prefetch_window(window, layer, tensors.begin(), static_cast<int>(tensors.size()));
   }
-  void prefetch_attn_prologue(int l, int window = kPrefetchAttnPrologue);
-  void prefetch_opening();
+  std::array<const TensorView*, 10> attn_prologue_weights(int l) const;
+  void prefetch_attn_prologue(int l);
+  int opening_ranges(L2Range* r);
   CompressorLaunch compressor_launch(int l, bool indexer);
   void hc_pre_site(const HcWeights& w, const float* norm);
   HcSite site_launch(const HcWeights& w, const float* norm, float* U, uint8_t* planes) const;
@@ -756,14 +759,14 @@ void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const
   DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
 }
 
-// One prefetch window: the tensors' bytes in order, each from its start, until prefetch_cap bytes
-// are asked for (the last one cut short; never past a tensor's end); absent tensors are skipped.
-void GpuEngine::Impl::ask_l2(int window, int layer, std::initializer_list<const TensorView*> tensors) {
-  if (prefetch_cap == 0) return;
-  L2Range r[kL2PrefetchMaxRanges];
+// One prefetch window's ranges into r (at most kL2PrefetchMaxRanges; returns how many) and the log:
+// the tensors' bytes in order, each from its start, until prefetch_cap bytes are asked for (the last
+// one cut short; never past a tensor's end); absent tensors are skipped.
+int GpuEngine::Impl::l2_window(int window, int layer, const TensorView* const* tensors, int count, L2Range* r) {
   int m = 0;
   uint64_t left = prefetch_cap;
-  for (const TensorView* t : tensors) {
+  for (int i = 0; i < count; ++i) {
+    const TensorView* t = tensors[i];
     if (m == kL2PrefetchMaxRanges || left == 0) break;
     if (t->data == nullptr || t->nbytes() <= 0) continue;
     const uint64_t bytes = std::min<uint64_t>(static_cast<uint64_t>(t->nbytes()), left);
@@ -772,29 +775,40 @@ void GpuEngine::Impl::ask_l2(int window, int layer, std::initializer_list<const 
     prefetch_log.insert(prefetch_log.end(),
                         {window, layer, static_cast<int64_t>(t->data - weights.data()), static_cast<int64_t>(bytes)});
   }
+  return m;
+}
+
+// A window of its own launch, where the prefetch is on.
+void GpuEngine::Impl::prefetch_window(int window, int layer, const TensorView* const* tensors, int count) {
+  if (!prefetch) return;
+  L2Range r[kL2PrefetchMaxRanges];
+  const int m = l2_window(window, layer, tensors, count, r);
   ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
 }
 
-// Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
-// the weights of those products in the order they are read.
-void GpuEngine::Impl::prefetch_attn_prologue(int l, int window) {
+// Layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b): the
+// weights of those products in the order they are read.
+std::array<const TensorView*, 10> GpuEngine::Impl::attn_prologue_weights(int l) const {
   const LayerWeights& L = dw.layers[l];
-  const std::initializer_list<const TensorView*> weights = {
-      &L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv, &L.idx_comp.gate,
-      &L.q_b, &L.idx_q_b};
-  if (window == kPrefetchOpening) ask_l2(window, l, weights);
-  else prefetch_window(window, l, weights);
+  return {&L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv, &L.idx_comp.gate,
+          &L.q_b, &L.idx_q_b};
+}
+
+void GpuEngine::Impl::prefetch_attn_prologue(int l) {
+  const auto w = attn_prologue_weights(l);
+  prefetch_window(kPrefetchAttnPrologue, l, w.data(), static_cast<int>(w.size()));
 }
 
 // The step's opening (`opening`, DS4_GPU_L2_OPENING=1; README "Pass 42"): a replayed graph starts
 // its second kernel ~10.7 us after its first, whatever the first does (every C = 1-8 timeline since
-// pass 16), so the memory system idles while the embedding runs. A prefetch on the side branch, a
-// second root of the graph, asks L2 for layer 0's attention-prologue weights in that time. Where
-// the step does not branch (the tensor-core products) it would be the chain's first kernel and
-// delay the embedding, so it is not launched; nor where every window is on (its first one is this).
-void GpuEngine::Impl::prefetch_opening() {
-  if (!opening || prefetch || !branching) return;
-  on_side([&] { prefetch_attn_prologue(0, kPrefetchOpening); });
+// pass 16), so the memory system idles while the embedding runs. The embedding's launch asks L2 for
+// layer 0's attention-prologue weights in that time, in blocks of its own (a prefetch kernel of its
+// own, a second root of the graph, was launched at the step's end instead: pass 42 call 1). Not with
+// every window on (whose first window is this one, launched before the embedding).
+int GpuEngine::Impl::opening_ranges(L2Range* r) {
+  if (!opening || prefetch) return 0;
+  const auto w = attn_prologue_weights(0);
+  return l2_window(kPrefetchOpening, 0, w.data(), static_cast<int>(w.size()), r);
 }
 
 // The compressor update of layer l's attention rows, or (indexer) of its indexer's rows, over this
@@ -1152,9 +1166,12 @@ void GpuEngine::Impl::launch_step() {
   x_hc = x_hc_base;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
-  prefetch_opening();
-  // Every mHC stream starts as the embedding row (hc_mult copies).
-  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult);
+  // Every mHC stream starts as the embedding row (hc_mult copies); the same launch may open the step's
+  // prefetch.
+  L2Range opening_r[kL2PrefetchMaxRanges];
+  const int n_opening = opening_ranges(opening_r);
+  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult,
+             opening_r, n_opening);
   for (int l = 0; l < cfg.n_layer; ++l) {
     attention_layer(l);
     ffn_layer(l);

@@ -11,7 +11,7 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). The 
 - ``GpuEngine.l2_prefetch_log()``: (window, layer, file offset, bytes) of every range the last
   launched step asked for;
 - ``DS4_GPU_L2_OPENING=1`` (at construction): with the windows off, only the step's opening window
-  (kind 4: layer 0's attention-prologue weights, asked for on the side branch while the embedding runs).
+  (kind 4: layer 0's attention-prologue weights, asked for by the embedding's launch).
 
 The logits tests compare the switch on and off bit for bit, eagerly and under graphs (where the switch
 must capture new graphs: it is part of the graph key), at one and three lanes, with the default cap
@@ -225,10 +225,10 @@ def test_windows_name_the_next_weights_within_the_cap(tiny_model_file, no_prefet
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_opening_window_asks_for_layer_0s_prologue_and_keeps_the_bits(tiny_model_file, no_prefetch_env,  # noqa: F811
                                                                        graphs: bool) -> None:
-    """DS4_GPU_L2_OPENING=1 (read at construction) with the windows off: each step asks, on its side
-    branch, for layer 0's attention-prologue weights (window kind 4), and nothing else; the logits equal
-    an engine's without it bit for bit. A step without branches asks for nothing (the prefetch would
-    be the chain's first kernel), and with every window on the opening is not asked for twice."""
+    """DS4_GPU_L2_OPENING=1 (read at construction) with the windows off: each step's embedding launch
+    asks L2 for layer 0's attention-prologue weights (window kind 4), and nothing else is asked; the
+    logits equal an engine's without it bit for bit. With every window on, the opening is not asked for
+    twice (the windows' first one names the same weights)."""
     from ds4_app.engine.plan import StepPlan
 
     mf = tiny_model_file
@@ -244,22 +244,14 @@ def test_opening_window_asks_for_layer_0s_prologue_and_keeps_the_bits(tiny_model
             for s in seqs:
                 eng.reset_slot(s.slot)
             got.append(run(eng, seqs))
-            log = grouped(eng.l2_prefetch_log())
-            cap = eng.l2_prefetch_window_bytes
-            first = expected_windows(mf, cap, with_head=True)[0]
-            assert log == ([(4, 0, first[2])] if opening == "1" else [])
+            first = expected_windows(mf, eng.l2_prefetch_window_bytes, with_head=True)[0]
+            assert grouped(eng.l2_prefetch_log()) == ([(4, 0, first[2])] if opening == "1" else [])
         want_logits.append(got)
     for case, (want, got) in enumerate(zip(*want_logits)):
         for k, (a, b) in enumerate(zip(want, got)):
             assert np.isfinite(a).all()
             assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
-    step = StepPlan.build([(0, int(prompt(mf, 95, 1)[0]), 0, True)], {0: [0]}, PAGES_PER_SEQ)
-    eng.use_branches = False
-    eng.reset_slot(0)
-    eng.step(step)
-    assert eng.l2_prefetch_log() == []
-    eng.use_branches = True
     eng.use_l2_prefetch = True
     eng.reset_slot(0)
-    eng.step(step)
+    eng.step(StepPlan.build([(0, int(prompt(mf, 95, 1)[0]), 0, True)], {0: [0]}, PAGES_PER_SEQ))
     assert grouped(eng.l2_prefetch_log()) == expected_windows(mf, eng.l2_prefetch_window_bytes, with_head=True)
