@@ -32,6 +32,13 @@ class Seq:
     start: int = 0
 
 
+def run_fresh(eng, seqs: list[Seq]) -> list[np.ndarray]:
+    """run() from empty slots: every sequence's slot reset first."""
+    for s in seqs:
+        eng.reset_slot(s.slot)
+    return run(eng, seqs)
+
+
 def run(eng, seqs: list[Seq]) -> list[np.ndarray]:
     """Feed every sequence (all lanes want logits) until done; logits [len, n_vocab] per sequence."""
     out = [np.empty((len(s.tokens), eng.n_vocab), np.float32) for s in seqs]

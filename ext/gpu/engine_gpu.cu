@@ -245,7 +245,7 @@ struct GpuEngine::Impl {
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
   int staged_cols = kMatvecStagedMin;  // ... of at least this many columns
   bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
-  bool opening = false;   // the L2 prefetch of the step's opening only (prefetch_opening)
+  bool opening = false;   // the L2 prefetch of the step's opening only (opening_ranges)
   uint64_t prefetch_cap = 0;  // bytes one window asks for at most
   std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
   // Key: (lanes, slot groups, logit lanes, tall, the staged kernel's least columns (off: a huge

@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.engine_cases import MAX_CTX, Seq, prompt, run, tensor_entries
+from tests.engine_cases import MAX_CTX, Seq, prompt, run_fresh, tensor_entries
 from tests.gpu.test_gpu_kernels import NAMES, TYPES, tame_raw
 
 native = pytest.importorskip("ds4_app.engine._native")
@@ -337,9 +337,7 @@ def assert_same_under(mf, graphs: bool, settings) -> None:
         setting()
         out.append([])
         for seqs in cases:
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            out[-1].append(run(eng, seqs))
+            out[-1].append(run_fresh(eng, seqs))
         if graphs:
             assert eng.graphs_captured > captured, "the switch must capture new graphs"
             captured = eng.graphs_captured

@@ -48,7 +48,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.engine_cases import Seq, prompt, run
+from tests.engine_cases import Seq, prompt, run_fresh
 from tests.gpu.test_gpu_fused import bits, gpu_engine, tiny_model_file  # noqa: F401 (fixture)
 from tests.gpu.test_gpu_kernels import tame_raw
 
@@ -216,9 +216,7 @@ def test_engine_logits_are_the_same_with_the_switch_on_and_off(tiny_model_file, 
         effective = SWITCHES[switch](pdl)
         out[pdl] = []
         for seqs in cases(mf):
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            out[pdl].append(run(eng, seqs))
+            out[pdl].append(run_fresh(eng, seqs))
         if graphs and effective:
             assert eng.graphs_captured > captured, "the PDL switch must capture new graphs"
             captured = eng.graphs_captured
@@ -234,9 +232,7 @@ def logits_over_cases(eng, mf) -> dict[str, np.ndarray]:
     for graphs in (False, True):
         eng.use_graphs = graphs
         for c, seqs in enumerate(cases(mf)):
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            for k, a in enumerate(run(eng, seqs)):
+            for k, a in enumerate(run_fresh(eng, seqs)):
                 out[f"{int(graphs)}_{c}_{k}"] = a
     return out
 
@@ -292,9 +288,7 @@ def test_engine_bit_setting_changes_bits_and_the_graph_key(name, tiny_model_file
             eng.use_graphs = graphs
             got = []
             for seqs in cases(mf):
-                for s in seqs:
-                    eng.reset_slot(s.slot)
-                got.append(run(eng, seqs))
+                got.append(run_fresh(eng, seqs))
             out.setdefault((value, graphs), got)
             for case, (a, b) in enumerate(zip(out[(value, graphs)], got)):
                 for k, (x, y) in enumerate(zip(a, b)):

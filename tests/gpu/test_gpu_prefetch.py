@@ -25,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from tests.engine_cases import PAGES_PER_SEQ, Seq, prompt, run
+from tests.engine_cases import PAGES_PER_SEQ, Seq, prompt, run_fresh
 from tests.gpu.test_gpu_fused import bits, gpu_engine, tiny_model_file  # noqa: F401 (fixture)
 
 native = pytest.importorskip("ds4_app.engine._native")
@@ -119,9 +119,7 @@ def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefet
         assert eng.use_l2_prefetch is on
         res = []
         for seqs in cases:
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            res.append(run(eng, seqs))
+            res.append(run_fresh(eng, seqs))
         if graphs and i < 2:
             assert eng.graphs_captured > captured, "the prefetch switch must capture new graphs"
         elif graphs:  # the second "off" pass replays the graphs the first one captured
@@ -241,9 +239,7 @@ def test_opening_window_asks_for_layer_0s_prologue_and_keeps_the_bits(tiny_model
         eng.use_graphs = graphs
         got = []
         for seqs in logit_cases(mf):
-            for s in seqs:
-                eng.reset_slot(s.slot)
-            got.append(run(eng, seqs))
+            got.append(run_fresh(eng, seqs))
             first = expected_windows(mf, eng.l2_prefetch_window_bytes, with_head=True)[0]
             assert grouped(eng.l2_prefetch_log()) == ([(4, 0, first[2])] if opening == "1" else [])
         want_logits.append(got)
