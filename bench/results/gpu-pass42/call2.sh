@@ -3,7 +3,7 @@
 # (call 1's prefetch kernel of its own, a second root of the graph, ran at the step's end instead).
 # 1. engine_run.sh: the GPU tests (the opening test among them), memcheck of engine_check --quick, decode C = 1-8
 #    and prefill, a C = 1 graph timeline; memcheck of engine_check --quick with DS4_GPU_L2_OPENING=1.
-# 2. The A/B, six processes alternating DS4_GPU_L2_OPENING=1 and the default; a C = 1 timeline with the opening.
+# 2. The A/B, four processes alternating DS4_GPU_L2_OPENING=1 and the default; a C = 1 timeline with the opening.
 set -uo pipefail
 nvidia-smi --query-gpu=name --format=csv,noheader
 OUT=$OUT ext/gpu/bench/engine_run.sh --budget 200 --no-racecheck \
@@ -21,7 +21,7 @@ bench() {  # LABEL VAR=VALUE
   env "$2" timeout 100 python3 ext/gpu/bench/engine_bench.py /tmp/f.gguf --prefill-rows 2048 --long-ctx 0 \
     --steps 30 --json $ab/bench_$1.json 2>&1 | grep -E "chunked=1" | head -8
 }
-for r in 1 2 3; do
+for r in 1 2; do
   bench opening_$r DS4_GPU_L2_OPENING=1
   bench main_$r DS4_GPU_L2_OPENING=0
 done
