@@ -27,7 +27,6 @@ int ds4_gpu_device_count();
 namespace ds4::gpu {
 
 using Stream = void*;  // a cudaStream_t / hipStream_t; nullptr is the default stream
-struct L2Range;         // a byte range of device memory to prefetch into L2 (l2_prefetch.h)
 
 // matvec's staged_min (below): the default, and the value that keeps every product on the direct
 // kernel.
@@ -135,11 +134,9 @@ void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy
               Stream stream, uint8_t* planes = nullptr, int64_t ldp = 0);
 
 // Y[i] = row tokens[i] of E (F32, F16, BF16, Q8_0, Q4_K or MXFP4), dequantized exactly, written `copies`
-// times one after another in Y's row (the step's mHC streams; copies * row width <= ldy). With
-// prefetch[0..n_prefetch) given, the same launch also asks L2 for those ranges (l2_prefetch.h; nothing
-// where the device cannot).
+// times one after another in Y's row (the step's mHC streams; copies * row width <= ldy).
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream,
-                int copies = 1, const L2Range* prefetch = nullptr, int n_prefetch = 0);
+                int copies = 1);
 
 // Tail RoPE in place: for row i and head h, the interleaved pairs of the last rope_dim elements
 // of X[i * row_stride + h * head_dim ...] turn by pos[i] * inv_freq[k] (negated: inverse). cos/sin

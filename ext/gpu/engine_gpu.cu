@@ -35,7 +35,6 @@
 #include "engine_gpu.h"
 
 #include <algorithm>
-#include <array>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -245,7 +244,6 @@ struct GpuEngine::Impl {
   bool staged = false;  // matvec's staged kernel for products of 2 or more columns
   int staged_cols = kMatvecStagedMin;  // ... of at least this many columns
   bool prefetch = false;  // the L2 prefetch before latency-bound stretches (l2_prefetch.h)
-  bool opening = false;   // the L2 prefetch of the step's opening only (opening_ranges)
   uint64_t prefetch_cap = 0;  // bytes one window asks for at most
   std::vector<int64_t> prefetch_log;  // (window, layer, file offset, bytes) of the last launched step
   // Key: (lanes, slot groups, logit lanes, tall, the staged kernel's least columns (off: a huge
@@ -374,21 +372,9 @@ struct GpuEngine::Impl {
     logits_host = PinnedMemory(bytes);
   }
   // Prefetch windows (kPrefetch*: the window kinds of l2_prefetch_log).
-  enum : int {
-    kPrefetchAttnPrologue = 0,
-    kPrefetchAttn = 1,
-    kPrefetchFfnPrologue = 2,
-    kPrefetchHead = 3,
-    kPrefetchOpening = 4
-  };
-  int l2_window(int window, int layer, const TensorView* const* tensors, int count, L2Range* r);
-  void prefetch_window(int window, int layer, const TensorView* const* tensors, int count);
-  void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
-    prefetch_window(window, layer, tensors.begin(), static_cast<int>(tensors.size()));
-  }
-  std::array<const TensorView*, 10> attn_prologue_weights(int l) const;
+  enum : int { kPrefetchAttnPrologue = 0, kPrefetchAttn = 1, kPrefetchFfnPrologue = 2, kPrefetchHead = 3 };
+  void prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors);
   void prefetch_attn_prologue(int l);
-  int opening_ranges(L2Range* r);
   CompressorLaunch compressor_launch(int l, bool indexer);
   void hc_pre_site(const HcWeights& w, const float* norm);
   HcSite site_launch(const HcWeights& w, const float* norm, float* U, uint8_t* planes) const;
@@ -434,7 +420,6 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   // decode 1-3% slower); DS4_GPU_L2_PREFETCH=1 turns it on where the device has it. A window asks
   // for at most half the L2; DS4_GPU_L2_PREFETCH_BYTES (an integer) replaces that cap.
   prefetch = env_flag("DS4_GPU_L2_PREFETCH", false) && l2_prefetch_supported();
-  opening = env_flag("DS4_GPU_L2_OPENING", false) && l2_prefetch_supported();
   branches = env_flag("DS4_GPU_BRANCHES", true);
   hc_fused = env_flag("DS4_GPU_HC_FUSED", true);
   route_fused = env_flag("DS4_GPU_ROUTE_FUSED", true);
@@ -759,14 +744,14 @@ void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const
   DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
 }
 
-// One prefetch window's ranges into r (at most kL2PrefetchMaxRanges; returns how many) and the log:
-// the tensors' bytes in order, each from its start, until prefetch_cap bytes are asked for (the last
-// one cut short; never past a tensor's end); absent tensors are skipped.
-int GpuEngine::Impl::l2_window(int window, int layer, const TensorView* const* tensors, int count, L2Range* r) {
+// One prefetch window: the tensors' bytes in order, each from its start, until prefetch_cap bytes
+// are asked for (the last one cut short; never past a tensor's end); absent tensors are skipped.
+void GpuEngine::Impl::prefetch_window(int window, int layer, std::initializer_list<const TensorView*> tensors) {
+  if (!prefetch || prefetch_cap == 0) return;
+  L2Range r[kL2PrefetchMaxRanges];
   int m = 0;
   uint64_t left = prefetch_cap;
-  for (int i = 0; i < count; ++i) {
-    const TensorView* t = tensors[i];
+  for (const TensorView* t : tensors) {
     if (m == kL2PrefetchMaxRanges || left == 0) break;
     if (t->data == nullptr || t->nbytes() <= 0) continue;
     const uint64_t bytes = std::min<uint64_t>(static_cast<uint64_t>(t->nbytes()), left);
@@ -775,40 +760,16 @@ int GpuEngine::Impl::l2_window(int window, int layer, const TensorView* const* t
     prefetch_log.insert(prefetch_log.end(),
                         {window, layer, static_cast<int64_t>(t->data - weights.data()), static_cast<int64_t>(bytes)});
   }
-  return m;
-}
-
-// A window of its own launch, where the prefetch is on.
-void GpuEngine::Impl::prefetch_window(int window, int layer, const TensorView* const* tensors, int count) {
-  if (!prefetch) return;
-  L2Range r[kL2PrefetchMaxRanges];
-  const int m = l2_window(window, layer, tensors, count, r);
   ds4::gpu::l2_prefetch(r, m, stream);  // (GpuEngine::l2_prefetch is the getter)
 }
 
-// Layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b): the
-// weights of those products in the order they are read.
-std::array<const TensorView*, 10> GpuEngine::Impl::attn_prologue_weights(int l) const {
-  const LayerWeights& L = dw.layers[l];
-  return {&L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv, &L.idx_comp.gate,
-          &L.q_b, &L.idx_q_b};
-}
-
+// Before layer l's attention prologue (mHC pre and attn_norm, then the u products, q_norm, q_b):
+// the weights of those products in the order they are read.
 void GpuEngine::Impl::prefetch_attn_prologue(int l) {
-  const auto w = attn_prologue_weights(l);
-  prefetch_window(kPrefetchAttnPrologue, l, w.data(), static_cast<int>(w.size()));
-}
-
-// The step's opening (`opening`, DS4_GPU_L2_OPENING=1; README "Pass 42"): a replayed graph starts
-// its second kernel ~10.7 us after its first, whatever the first does (every C = 1-8 timeline since
-// pass 16), so the memory system idles while the embedding runs. The embedding's launch asks L2 for
-// layer 0's attention-prologue weights in that time, in blocks of its own (a prefetch kernel of its
-// own, a second root of the graph, was launched at the step's end instead: pass 42 call 1). Not with
-// every window on (whose first window is this one, launched before the embedding).
-int GpuEngine::Impl::opening_ranges(L2Range* r) {
-  if (!opening || prefetch) return 0;
-  const auto w = attn_prologue_weights(0);
-  return l2_window(kPrefetchOpening, 0, w.data(), static_cast<int>(w.size()), r);
+  const LayerWeights& L = dw.layers[l];
+  prefetch_window(kPrefetchAttnPrologue, l,
+                  {&L.hc_attn.fn, &L.q_a, &L.kv, &L.comp.kv, &L.comp.gate, &L.idx_proj, &L.idx_comp.kv,
+                   &L.idx_comp.gate, &L.q_b, &L.idx_q_b});
 }
 
 // The compressor update of layer l's attention rows, or (indexer) of its indexer's rows, over this
@@ -1166,12 +1127,8 @@ void GpuEngine::Impl::launch_step() {
   x_hc = x_hc_base;
   prefetch_log.clear();
   prefetch_attn_prologue(0);  // embedding rows and the first mHC pre read little
-  // Every mHC stream starts as the embedding row (hc_mult copies); the same launch may open the step's
-  // prefetch.
-  L2Range opening_r[kL2PrefetchMaxRanges];
-  const int n_opening = opening_ranges(opening_r);
-  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult,
-             opening_r, n_opening);
+  // Every mHC stream starts as the embedding row (hc_mult copies).
+  embed_rows(dw.embed, lanes.token, n, x_hc, static_cast<int64_t>(cfg.hc_mult) * cfg.n_embd, stream, cfg.hc_mult);
   for (int l = 0; l < cfg.n_layer; ++l) {
     attention_layer(l);
     ffn_layer(l);

@@ -31,7 +31,7 @@
 //
 // CUDA compute capability 9.0+ only (the instruction is sm_90's). Under HIP, and on older devices,
 // l2_prefetch_supported() is false and l2_prefetch launches nothing; the kernel body is empty there.
-#include "l2_prefetch.cuh"
+#include "l2_prefetch.h"
 #include "launch.cuh"
 
 #include <algorithm>
@@ -42,12 +42,35 @@ namespace ds4::gpu {
 
 namespace {
 
+constexpr uint32_t kL2PrefetchPiece = 32u << 10;  // bytes one instruction asks for
 constexpr int kL2PrefetchThreads = 32;
 
+struct L2PrefetchArgs {
+  const uint8_t* base[kL2PrefetchMaxRanges];
+  uint64_t bytes[kL2PrefetchMaxRanges];       // multiples of 16
+  uint64_t first[kL2PrefetchMaxRanges + 1];   // first piece of each range; first[n] = pieces
+  uint64_t pieces;                            // all ranges' pieces
+  int n;
+};
+
 __global__ void __launch_bounds__(kL2PrefetchThreads) l2_prefetch_kernel(const L2PrefetchArgs a) {
-  ds4_grid_release();
-  l2_prefetch_issue(a, blockIdx.x + static_cast<uint64_t>(threadIdx.x) * gridDim.x,
-                    static_cast<uint64_t>(gridDim.x) * blockDim.x);
+#if defined(DS4_CUDA) && defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  const uint64_t stride = static_cast<uint64_t>(gridDim.x) * blockDim.x;
+  for (uint64_t i = blockIdx.x + static_cast<uint64_t>(threadIdx.x) * gridDim.x; i < a.pieces; i += stride) {
+    // The range holding piece i, by a scan with constant indices (a dynamic index into the
+    // parameters would copy them to local memory).
+#pragma unroll
+    for (int r = 0; r < kL2PrefetchMaxRanges; ++r) {
+      if (r < a.n && i >= a.first[r] && i < a.first[r + 1]) {
+        const uint64_t off = (i - a.first[r]) * kL2PrefetchPiece;
+        const uint64_t left = a.bytes[r] - off;
+        const uint32_t size = left < kL2PrefetchPiece ? static_cast<uint32_t>(left) : kL2PrefetchPiece;
+        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(a.base[r] + off), "r"(size) : "memory");
+      }
+    }
+  }
+#endif
 }
 
 }  // namespace
@@ -68,10 +91,26 @@ uint64_t l2_cache_bytes() {
 }
 
 uint64_t l2_prefetch(const L2Range* ranges, int n, Stream stream) {
-  uint64_t asked = 0;
-  const L2PrefetchArgs a = l2_prefetch_args(ranges, n, &asked);
+  if (n < 0 || n > kL2PrefetchMaxRanges)
+    throw std::invalid_argument("l2_prefetch: " + std::to_string(n) + " ranges; at most " +
+                                std::to_string(kL2PrefetchMaxRanges));
   if (!l2_prefetch_supported()) return 0;
-  const uint64_t pieces = a.pieces;
+  L2PrefetchArgs a{};
+  uint64_t pieces = 0, asked = 0;
+  for (int i = 0; i < n; ++i) {
+    const uintptr_t begin = reinterpret_cast<uintptr_t>(ranges[i].data);
+    if (begin == 0 || ranges[i].bytes == 0) continue;
+    const uintptr_t lo = (begin + 15) & ~uintptr_t{15}, hi = (begin + ranges[i].bytes) & ~uintptr_t{15};
+    if (hi <= lo) continue;
+    a.base[a.n] = reinterpret_cast<const uint8_t*>(lo);
+    a.bytes[a.n] = hi - lo;
+    a.first[a.n] = pieces;
+    pieces += (a.bytes[a.n] + kL2PrefetchPiece - 1) / kL2PrefetchPiece;
+    asked += a.bytes[a.n];
+    ++a.n;
+  }
+  a.first[a.n] = pieces;
+  a.pieces = pieces;
   if (pieces == 0) return 0;
   const unsigned grid = static_cast<unsigned>(std::min<uint64_t>(pieces, static_cast<uint64_t>(std::max(device_sms(), 1))));
   l2_prefetch_kernel<<<grid, kL2PrefetchThreads, 0, static_cast<cudaStream_t>(stream)>>>(a);

@@ -28,7 +28,6 @@
 #include <type_traits>
 
 #include "ds4_gpu.h"
-#include "l2_prefetch.cuh"
 #include "launch.cuh"
 #include "matvec.cuh"
 #include "rowops.cuh"
@@ -71,20 +70,11 @@ static_assert(kNormThreads / DS4_WARP == 8, "rms_norm's final tree is written fo
 // --- embedding --------------------------------------------------------------------------------
 
 // A block a token: its row into `copies` consecutive rows of Y's row (the mHC streams: the step's first
-// kernel writes all of them, where a second launch had copied stream 0 to the others). Blocks past the
-// n tokens issue the L2 prefetch `pf` (the step's opening, README "Pass 42": the graph's first kernel
-// runs ~10 us alone, so HBM is idle) and exit; they read and write nothing a kernel computes with.
+// kernel writes all of them, where a second launch had copied stream 0 to the others).
 template <int T>
 __global__ void __launch_bounds__(128)
     embed_kernel(const uint8_t* __restrict__ E, int64_t row_bytes, int64_t units, int64_t n_vocab,
-                 const int32_t* __restrict__ tokens, int n, float* __restrict__ Y, int64_t ldy, int copies,
-                 const L2PrefetchArgs pf) {
-  if (static_cast<int>(blockIdx.x) >= n) {
-    ds4_grid_release();
-    const uint64_t blocks = gridDim.x - static_cast<uint64_t>(n);
-    l2_prefetch_issue(pf, (blockIdx.x - n) + threadIdx.x * blocks, blocks * blockDim.x);
-    return;
-  }
+                 const int32_t* __restrict__ tokens, float* __restrict__ Y, int64_t ldy, int copies) {
   ds4_grid_begin();
   using U = Unit<T>;
   const int32_t tok = tokens[blockIdx.x];
@@ -306,11 +296,8 @@ void rms_norm(const float* X, int64_t ldx, const float* w, float* Y, int64_t ldy
   DS4_GPU_CHECK_LAUNCH("rms_norm_kernel");
 }
 
-void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream, int copies,
-                const L2Range* prefetch, int n_prefetch) {
+void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int64_t ldy, Stream stream, int copies) {
   if (n < 0) throw std::invalid_argument("GPU embed_rows: negative token count");
-  uint64_t asked = 0;
-  const L2PrefetchArgs pf = l2_prefetch_args(prefetch, n_prefetch, &asked);
   const int64_t K = E.ne[0];
   if (copies < 1 || copies * K > ldy)
     throw std::invalid_argument("GPU embed_rows: " + std::to_string(copies) + " copies of a " + std::to_string(K) +
@@ -322,12 +309,8 @@ void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y, int
   if (n == 0) return;
   const cudaStream_t s = static_cast<cudaStream_t>(stream);
   const int64_t rb = E.row_bytes(), rows = E.ne[1];
-  // The prefetch's blocks: one a piece up to one an SM (l2_prefetch's spread), none where the device
-  // cannot prefetch.
-  const int pf_blocks = l2_prefetch_supported() ? static_cast<int>(std::min<uint64_t>(pf.pieces, std::max(device_sms(), 1)))
-                                                : 0;
   auto go = [&](auto kernel, int64_t units) {
-    launch(kernel, n + pf_blocks, 128, 0, s, E.data, rb, units, rows, tokens, n, Y, ldy, copies, pf);
+    launch(kernel, n, 128, 0, s, E.data, rb, units, rows, tokens, Y, ldy, copies);
   };
   switch (E.type) {
     case DType::F32: go(embed_kernel<kF32>, K / 8); break;

@@ -9,9 +9,7 @@ Marked ``gpu`` (conftest skips them without a CUDA/HIP build and a device). The 
 - ``GpuEngine.l2_prefetch_window_bytes``: the most one window asks for (half the L2, or
   ``DS4_GPU_L2_PREFETCH_BYTES``);
 - ``GpuEngine.l2_prefetch_log()``: (window, layer, file offset, bytes) of every range the last
-  launched step asked for;
-- ``DS4_GPU_L2_OPENING=1`` (at construction): with the windows off, only the step's opening window
-  (kind 4: layer 0's attention-prologue weights, asked for by the embedding's launch).
+  launched step asked for.
 
 The logits tests compare the switch on and off bit for bit, eagerly and under graphs (where the switch
 must capture new graphs: it is part of the graph key), at one and three lanes, with the default cap
@@ -52,7 +50,6 @@ def supported(mf) -> bool:
 def no_prefetch_env(monkeypatch):
     monkeypatch.delenv("DS4_GPU_L2_PREFETCH", raising=False)
     monkeypatch.delenv("DS4_GPU_L2_PREFETCH_BYTES", raising=False)
-    monkeypatch.delenv("DS4_GPU_L2_OPENING", raising=False)
     return monkeypatch
 
 
@@ -87,16 +84,6 @@ def test_switch_default_environment_and_setter(tiny_model_file, no_prefetch_env)
 
 # --- bits -----------------------------------------------------------------------------------------
 
-def logit_cases(mf) -> list[list[Seq]]:
-    """One lane, and three lanes (three slots, one starting a step late), 20 steps each."""
-    return [
-        [Seq(prompt(mf, 91, 20), slot=0, pages=[0])],
-        [Seq(prompt(mf, 92, 20), slot=1, pages=[1]),
-         Seq(prompt(mf, 93, 20), slot=3, pages=[2]),
-         Seq(prompt(mf, 94, 21), slot=5, pages=[3], start=1)],
-    ]
-
-
 @pytest.mark.parametrize("cap", [None, SMALL_CAP], ids=["half-l2", "small-cap"])
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
 def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefetch_env, graphs: bool,  # noqa: F811
@@ -109,7 +96,12 @@ def test_logits_are_the_same_with_prefetch_on_and_off(tiny_model_file, no_prefet
         pytest.skip("this device cannot prefetch into L2 (the switch stays off)")
     if cap is not None:
         no_prefetch_env.setenv("DS4_GPU_L2_PREFETCH_BYTES", str(cap))
-    cases = logit_cases(mf)
+    cases = [
+        [Seq(prompt(mf, 91, 20), slot=0, pages=[0])],
+        [Seq(prompt(mf, 92, 20), slot=1, pages=[1]),
+         Seq(prompt(mf, 93, 20), slot=3, pages=[2]),
+         Seq(prompt(mf, 94, 21), slot=5, pages=[3], start=1)],
+    ]
     eng = gpu_engine(mf)
     eng.use_graphs = graphs
     passes = []
@@ -216,38 +208,3 @@ def test_windows_name_the_next_weights_within_the_cap(tiny_model_file, no_prefet
     eng.use_l2_prefetch = False
     eng.step(StepPlan.build([(0, int(tokens[0]), 0, True)], {0: [0]}, PAGES_PER_SEQ))
     assert eng.l2_prefetch_log() == []
-
-
-# --- the step's opening alone ---------------------------------------------------------------------
-
-@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
-def test_opening_window_asks_for_layer_0s_prologue_and_keeps_the_bits(tiny_model_file, no_prefetch_env,  # noqa: F811
-                                                                       graphs: bool) -> None:
-    """DS4_GPU_L2_OPENING=1 (read at construction) with the windows off: each step's embedding launch
-    asks L2 for layer 0's attention-prologue weights (window kind 4), and nothing else is asked; the
-    logits equal an engine's without it bit for bit. With every window on, the opening is not asked for
-    twice (the windows' first one names the same weights)."""
-    from ds4_app.engine.plan import StepPlan
-
-    mf = tiny_model_file
-    if not supported(mf):
-        pytest.skip("this device cannot prefetch into L2 (the switch stays off)")
-    want_logits = []
-    for opening in ("0", "1"):
-        no_prefetch_env.setenv("DS4_GPU_L2_OPENING", opening)
-        eng = gpu_engine(mf)
-        eng.use_graphs = graphs
-        got = []
-        for seqs in logit_cases(mf):
-            got.append(run_fresh(eng, seqs))
-            first = expected_windows(mf, eng.l2_prefetch_window_bytes, with_head=True)[0]
-            assert grouped(eng.l2_prefetch_log()) == ([(4, 0, first[2])] if opening == "1" else [])
-        want_logits.append(got)
-    for case, (want, got) in enumerate(zip(*want_logits)):
-        for k, (a, b) in enumerate(zip(want, got)):
-            assert np.isfinite(a).all()
-            assert np.array_equal(bits(a), bits(b)), f"case {case}, sequence {k}"
-    eng.use_l2_prefetch = True
-    eng.reset_slot(0)
-    eng.step(StepPlan.build([(0, int(prompt(mf, 95, 1)[0]), 0, True)], {0: [0]}, PAGES_PER_SEQ))
-    assert grouped(eng.l2_prefetch_log()) == expected_windows(mf, eng.l2_prefetch_window_bytes, with_head=True)
