@@ -26,6 +26,7 @@ cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     int gpu_set_attn_heads "ds4::gpu::testing::set_attn_heads"(int heads) except +
     int gpu_set_attn_split_min "ds4::gpu::testing::set_attn_split_min"(int keys) except +
     int gpu_set_hc_site_streams "ds4::gpu::testing::set_hc_site_streams"(int streams) except +
+    cbool gpu_attn_early "ds4::gpu::testing::attn_early"() except +
     void gpu_matvec_batched "ds4::gpu::testing::matvec_batched"(const TensorView& W, int n_batch, const float* X,
                                                                 int ncols, float* Y, cbool tall,
                                                                 int staged_min) except +
@@ -403,6 +404,12 @@ def _t_gpu_set_hc_site_streams(int streams):
     return int(gpu_set_hc_site_streams(streams))
 
 
+def _t_gpu_attn_early():
+    """Whether the attention's split and combine kernels do their step-input work before the grid
+    wait in this process (DS4_GPU_ATTN_EARLY, read once a process; default on)."""
+    return bool(gpu_attn_early())
+
+
 def _t_gpu_rms_norm(X, w, float eps):
     """RMSNorm of each row of X (w None: unweighted) on the GPU."""
     x = np.ascontiguousarray(X, dtype=np.float32)
@@ -651,6 +658,7 @@ _GPU_TESTING = dict(
     gpu_set_attn_heads=_t_gpu_set_attn_heads,
     gpu_set_attn_split_min=_t_gpu_set_attn_split_min,
     gpu_set_hc_site_streams=_t_gpu_set_hc_site_streams,
+    gpu_attn_early=_t_gpu_attn_early,
     gpu_matmul_multi=_t_gpu_matmul_multi,
     gpu_matmul_grouped_pair=_t_gpu_matmul_grouped_pair,
     gpu_swiglu=_t_gpu_swiglu,

@@ -191,6 +191,9 @@ int set_attn_split_min(int keys);
 // The mHC site's streams a sums thread (step_ops.h hc_site_streams): 1 or 2 (-1: the default, 2); it
 // changes bits. Returns the setting now.
 int set_hc_site_streams(int streams);
+// Whether the attention's kernels do their step-input work before the grid wait (step_ops.h
+// attn_early: DS4_GPU_ATTN_EARLY, read once a process, default on); for the child-process test.
+bool attn_early();
 void rms_norm(const float* X, const float* w, float* Y, int n_rows, int64_t n, float eps);
 void embed_rows(const TensorView& E, const int32_t* tokens, int n, float* Y);
 void rope_tail(float* X, int n_rows, int n_heads, int head_dim, int rope_dim, const int32_t* pos,
@@ -250,6 +253,7 @@ inline int set_matvec_grouped_groups(int) { no_backend(); }
 inline int set_attn_heads(int) { no_backend(); }
 inline int set_attn_split_min(int) { no_backend(); }
 inline int set_hc_site_streams(int) { no_backend(); }
+inline bool attn_early() { no_backend(); }
 inline void matvec_batched(const TensorView&, int, const float*, int, float*, bool, int) { no_backend(); }
 inline void rms_norm(const float*, const float*, float*, int, int64_t, float) { no_backend(); }
 inline void embed_rows(const TensorView&, const int32_t*, int, float*) { no_backend(); }

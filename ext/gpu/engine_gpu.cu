@@ -23,9 +23,11 @@
 //
 // Device memory, by section (ds4_app/engine/memory.py plan_device_memory mirrors every formula):
 //   rings, compressor_state, pages: the CPU engine's layout (paged_state.h), byte for byte;
-//   step_inputs: one int32 buffer refreshed by one host-to-device copy per step: 10 arrays of
-//     max_rows (lane slot, token, position, group, group start position; lane order by slot;
-//     group first, length, slot; logit lanes) then max_rows block-table rows of max_blocks;
+//   step_inputs: one int32 buffer refreshed by one host-to-device copy per step: 10 arrays (lane
+//     slot, token, position, group, group start position; lane order by slot; group first, length,
+//     slot; logit lanes) then the groups' block-table rows of max_blocks. It is sized for max_rows
+//     lanes; a step packs its arrays at a stride of its own lanes rounded up to 32 (input_stride),
+//     so a decode step copies ~1 KB instead of 40 x max_rows bytes;
 //   scratch: the activations and the integer products' planes of X (carve_scratch below, each
 //     buffer rounded up to 256 bytes), then,
 //     with the tensor-core switch on (DS4_GPU_MMA=1), the tensor-core products' scratch
@@ -288,6 +290,7 @@ struct GpuEngine::Impl {
   void check_pages();
   void reset(int slot);
   void upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token, const int32_t* lane_pos);
+  void point_inputs(int64_t stride);
   // Every product gets the one scratch buffer: the calls are stream-ordered, so they never
   // overlap (the SIMT products ignore it).
   MatvecScratch scratch() const {
@@ -468,24 +471,12 @@ GpuEngine::Impl::Impl(const ModelConfig& c, const std::string& path, const std::
   page_owner.assign(std::max(opts.n_pages, 1), -1);
   for (int s = 0; s < S; ++s) reset(s);
 
-  // Step inputs: 10 arrays of max_rows, then max_rows table rows.
+  // Step inputs: 10 arrays of max_rows, then max_rows table rows (a step packs them tighter).
   const uint64_t R = opts.max_rows;
   const uint64_t in_ints = 10 * R + R * max_blocks;
   inputs = DeviceMemory(4 * in_ints);
   pinned = PinnedMemory(4 * in_ints);
-  const int32_t* in = reinterpret_cast<const int32_t*>(inputs.data());
-  lanes.slot = in;
-  lanes.token = in + R;
-  lanes.pos = in + 2 * R;
-  lanes.group = in + 3 * R;
-  lanes.t0 = in + 4 * R;
-  lanes.order = in + 5 * R;
-  lanes.grp_first = in + 6 * R;
-  lanes.grp_len = in + 7 * R;
-  lanes.grp_slot = in + 8 * R;
-  logit_lanes_dev = in + 9 * R;
-  lanes.tables = in + 10 * R;
-  lanes.max_blocks = max_blocks;
+  point_inputs(static_cast<int64_t>(R));
 
   carve_scratch();
   ensure_mma_scratch();
@@ -722,9 +713,33 @@ void GpuEngine::Impl::validate_and_group(int n_lanes, const int32_t* lane_slot, 
 // Every page a lane reads or writes must be assigned (plan_check.h).
 void GpuEngine::Impl::check_pages() { ds4::check_pages(n, slot_of, pos, csa, hca, tables.data(), max_blocks); }
 
+// The step inputs' views at a stride of P ints: the 10 arrays, then the groups' table rows. Every
+// launch parameter a graph bakes in comes from these views, and P depends only on the lanes, which
+// the graph key holds, so a bucket's replays find their inputs where its capture put them.
+void GpuEngine::Impl::point_inputs(int64_t P) {
+  const int32_t* in = reinterpret_cast<const int32_t*>(inputs.data());
+  lanes.slot = in;
+  lanes.token = in + P;
+  lanes.pos = in + 2 * P;
+  lanes.group = in + 3 * P;
+  lanes.t0 = in + 4 * P;
+  lanes.order = in + 5 * P;
+  lanes.grp_first = in + 6 * P;
+  lanes.grp_len = in + 7 * P;
+  lanes.grp_slot = in + 8 * P;
+  logit_lanes_dev = in + 9 * P;
+  lanes.tables = in + 10 * P;
+  lanes.max_blocks = max_blocks;
+}
+
+// A step's lanes rounded up to 32, at most max_rows: every array entry a kernel reads (a lane's, a
+// group's or a logit lane's, each below the lanes) lies inside it, and the padding is zeros.
+static int64_t input_stride(int n_lanes, int64_t max_rows) { return std::min<int64_t>(max_rows, (n_lanes + 31) / 32 * 32); }
+
 void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
                                     const int32_t* lane_pos) {
-  const int64_t R = opts.max_rows;
+  const int64_t R = input_stride(n_lanes, opts.max_rows);
+  point_inputs(R);
   int32_t* h = pinned.ints();
   std::fill(h, h + 10 * R, 0);
   std::copy(lane_slot, lane_slot + n_lanes, h);

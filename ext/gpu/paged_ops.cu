@@ -794,6 +794,8 @@ int set_attn_split_min(int keys) {
   return attn_split_min();
 }
 
+bool attn_early() { return ds4::gpu::attn_early(); }
+
 }  // namespace testing
 
 bool attn_early() { return env_switch(g_attn_early, "DS4_GPU_ATTN_EARLY"); }

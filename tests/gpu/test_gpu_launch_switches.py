@@ -243,8 +243,10 @@ import numpy as np
 from ds4_app.engine.gguf_file import ModelFile
 from tests.gpu.test_gpu_fused import gpu_engine
 from tests.gpu.test_gpu_launch_switches import logits_over_cases
+from ds4_app.engine import _native
 mf = ModelFile.open(sys.argv[1])
-np.savez(sys.argv[2], **logits_over_cases(gpu_engine(mf), mf))
+np.savez(sys.argv[2], attn_early=np.array(_native._testing.gpu_attn_early()),
+         **logits_over_cases(gpu_engine(mf), mf))
 """
 
 
@@ -253,14 +255,16 @@ def test_attention_step_input_work_after_the_grid_wait_gives_the_same_bits(tiny_
     """The split and combine kernels locate their keys and build the inverse RoPE table before their
     grid wait unless DS4_GPU_ATTN_EARLY=0 (read once a process): a child process with the work after
     the wait gives the same logits, eager and under graphs, for one lane, three lanes and a prompt 16
-    rows a step (tiny's CSA layers select their rows past 32 tokens, located after the wait either way)."""
+    rows a step (tiny's CSA layers select their rows past 32 tokens, located after the wait either way).
+    The child reports the switch as its kernels see it, so a child that ignored the variable fails."""
     env = dict(os.environ, DS4_GPU_ATTN_EARLY="0")
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", CASES_CHILD, str(tiny_model_file.path), str(tmp_path / "out.npz")],
                    env=env, cwd=root, check=True, timeout=300)
-    child = np.load(tmp_path / "out.npz")
+    child = dict(np.load(tmp_path / "out.npz"))
+    assert not child.pop("attn_early") and T.gpu_attn_early(), "the child must run the work after the wait"
     ours = logits_over_cases(gpu_engine(tiny_model_file), tiny_model_file)
-    assert sorted(child.files) == sorted(ours) and len(ours) == 2 * 5
+    assert sorted(child) == sorted(ours) and len(ours) == 2 * 5
     for key, a in ours.items():
         assert np.isfinite(a).all()
         assert np.array_equal(bits(a), bits(child[key])), key
