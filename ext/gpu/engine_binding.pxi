@@ -26,6 +26,7 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
         void set_graphs(cbool on) except +
         cbool graphs()
         int graphs_captured()
+        vector[double] host_phases_us()
         void set_matvec_tall(cbool on) except +
         cbool matvec_tall()
         void set_matvec_staged(cbool on) except +
@@ -49,6 +50,10 @@ cdef extern from "../gpu/engine_gpu.h" nogil:
 
 cdef extern from "../gpu/ds4_gpu.h" namespace "ds4::gpu::testing" nogil:
     void gpu_qat_rows "ds4::gpu::testing::qat_rows"(int kind, float* X, int n_rows, int n) except +
+
+
+# GpuEngine.host_phases: the host phases of a step, in GpuEngine::host_phases_us order.
+HOST_PHASES = ("prepare", "upload", "launch", "download", "wait")
 
 
 cdef class GpuEngine:
@@ -292,6 +297,12 @@ cdef class GpuEngine:
     def graphs_captured(self):
         """CUDA graphs built so far (one per new shape bucket)."""
         return int(self._get().graphs_captured())
+
+    def host_phases(self):
+        """The host's time in the last step by phase, in microseconds: {"prepare", "upload", "launch",
+        "download", "wait"} (GpuEngine::host_phases_us); empty before the first step."""
+        cdef vector[double] v = self._get().host_phases_us()
+        return dict(zip(HOST_PHASES, (float(x) for x in v))) if any(v) else {}
 
     def allocated_bytes(self):
         """Device bytes by section (see ds4::gpu::GpuEngine::allocated_bytes)."""

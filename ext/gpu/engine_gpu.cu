@@ -37,6 +37,7 @@
 #include "engine_gpu.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
 #include <cstdlib>
@@ -367,6 +368,10 @@ struct GpuEngine::Impl {
   void ensure_mma_scratch();
   void download_logits(float* out, uint64_t bytes);
   void download_argmax(int32_t* out);
+  // host_phases_us: the last step's phase boundaries (wait_from: the download's calls are issued).
+  using Clock = std::chrono::steady_clock;
+  Clock::time_point wait_from;
+  double host_phases[5] = {};
   // logits_host holds at least `bytes` (grown after the stream is idle: the old buffer may still
   // be a copy's target).
   void reserve_host(uint64_t bytes) {
@@ -1199,6 +1204,7 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
                      int max_blocks, float* logits_out, int32_t* argmax_out) {
   Impl& m = *impl_;
   if (n_lanes <= 0) return;
+  const Impl::Clock::time_point t0 = Impl::Clock::now();
   m.ensure_mma_scratch();  // the switch may have been turned on since construction
   m.validate_and_group(n_lanes, lane_slot, lane_token, lane_pos, n_tables, table_slot, block_table, max_blocks);
   m.n = n_lanes;
@@ -1208,17 +1214,27 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
   m.logit_lanes.clear();
   for (int i = 0; i < n_lanes; ++i)
     if (lane_logits[i]) m.logit_lanes.push_back(i);
+  const Impl::Clock::time_point t1 = Impl::Clock::now();
   m.upload_inputs(n_lanes, lane_slot, lane_token, lane_pos);
+  const Impl::Clock::time_point t2 = Impl::Clock::now();
   if (m.graphs) {
     m.run_graph();
   } else {
     m.launch_step();
   }
+  const Impl::Clock::time_point t3 = Impl::Clock::now();
   if (argmax_out) {
     m.download_argmax(argmax_out);
   } else {
     m.download_logits(logits_out, 4ull * m.logit_lanes.size() * m.cfg.n_vocab);
   }
+  const Impl::Clock::time_point t4 = Impl::Clock::now();
+  const Impl::Clock::time_point at[6] = {t0, t1, t2, t3, m.wait_from, t4};
+  for (int k = 0; k < 5; ++k) m.host_phases[k] = std::chrono::duration<double, std::micro>(at[k + 1] - at[k]).count();
+}
+
+std::vector<double> GpuEngine::host_phases_us() const {
+  return std::vector<double>(impl_->host_phases, impl_->host_phases + 5);
 }
 
 // Each logit lane's argmax (argmax_rows, numpy's rule) into out: n_out ints leave the device
@@ -1230,9 +1246,11 @@ void GpuEngine::Impl::download_argmax(int32_t* out) {
     reserve_host(bytes);
     argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, argmax_tokens + opts.max_rows, stream);
     DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes(), argmax_tokens, bytes, cudaMemcpyDeviceToHost, stream));
+    wait_from = Clock::now();
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
     std::memcpy(out, logits_host.bytes(), bytes);
   } else {
+    wait_from = Clock::now();
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
   }
 }
@@ -1241,6 +1259,7 @@ void GpuEngine::Impl::download_argmax(int32_t* out) {
 // then the stream is idle.
 void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
   if (bytes == 0) {
+    wait_from = Clock::now();
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
     return;
   }
@@ -1258,6 +1277,7 @@ void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
     DS4_GPU_CHECK(cudaEventRecord(piece_done[i], stream));
   }
   uint8_t* dst = reinterpret_cast<uint8_t*>(out);
+  wait_from = Clock::now();  // the wait now overlaps the pieces' host copies
   for (uint64_t i = 0; i < n_pieces; ++i) {
     const uint64_t off = i * kLogitsPiece, len = std::min(kLogitsPiece, bytes - off);
     DS4_GPU_CHECK(cudaEventSynchronize(piece_done[i]));

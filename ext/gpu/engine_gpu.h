@@ -76,6 +76,11 @@ class GpuEngine {
   void set_graphs(bool on);
   bool graphs() const;
   int graphs_captured() const;  // graphs built so far (new buckets)
+  // The host's time in the last step by phase, in microseconds (kHostPhases, in order): checking and
+  // grouping the plan; the inputs' upload (the pinned buffer filled, the copy's call); the launch (the
+  // graph's replay, or its capture, or every kernel eagerly); the download's calls (argmax, the
+  // copies); the wait for the stream. Six clock reads a step, always taken.
+  std::vector<double> host_phases_us() const;
   // Tall matrices (q_b, the LM head) through matvec's tall variant: the same bits, a different
   // speed. Default: on; the environment variable DS4_GPU_MV_TALL=0 turns it off.
   void set_matvec_tall(bool on);
@@ -169,6 +174,7 @@ class GpuEngine {
   void set_graphs(bool) { throw std::runtime_error("no GPU backend"); }
   bool graphs() const { return false; }
   int graphs_captured() const { return 0; }
+  std::vector<double> host_phases_us() const { return {}; }
   void set_matvec_tall(bool) { throw std::runtime_error("no GPU backend"); }
   bool matvec_tall() const { return false; }
   void set_matvec_staged(bool) { throw std::runtime_error("no GPU backend"); }

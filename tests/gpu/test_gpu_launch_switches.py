@@ -39,16 +39,19 @@ chain mixes both kinds of edge), must be bit-identical with each switch on and o
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 
-from tests.engine_cases import Seq, prompt, run_fresh
+from ds4_app.engine.plan import StepPlan
+from tests.engine_cases import PAGES_PER_SEQ, Seq, prompt, run_fresh
 from tests.gpu.test_gpu_fused import bits, gpu_engine, tiny_model_file  # noqa: F401 (fixture)
 from tests.gpu.test_gpu_kernels import tame_raw
 
@@ -268,6 +271,47 @@ def test_attention_step_input_work_after_the_grid_wait_gives_the_same_bits(tiny_
     for key, a in ours.items():
         assert np.isfinite(a).all()
         assert np.array_equal(bits(a), bits(child[key])), key
+
+
+def test_inputs_packed_at_the_step_stride_keep_the_bits(tiny_model_file) -> None:  # noqa: F811
+    """A step's input arrays sit at its lanes rounded up to 32, not at max_rows (engine_gpu.cu
+    input_stride), so the graph of a bucket bakes in views of its own stride. An engine of max_rows 96
+    (strides 32 and 64, below its 96) gives the logits of one of max_rows 16 (every stride 16) bit for
+    bit, eager and under graphs: over cases(), and a 44-token prompt fed 40 rows a step there and 16 a
+    step here (a prompt's split never changes its bits)."""
+    mf = tiny_model_file
+    small, wide = gpu_engine(mf, max_rows=16), gpu_engine(mf, max_rows=96)
+    ours, theirs = logits_over_cases(wide, mf), logits_over_cases(small, mf)
+    assert sorted(ours) == sorted(theirs) and len(ours) == 2 * 5
+    for key, a in ours.items():
+        assert np.isfinite(a).all()
+        assert np.array_equal(bits(a), bits(theirs[key])), key
+    seq = Seq(prompt(mf, 86, 44), slot=4, pages=[9, 10], rows=40)
+    for graphs in (False, True):
+        wide.use_graphs = small.use_graphs = graphs
+        a = run_fresh(wide, [seq])[0]
+        b = run_fresh(small, [dataclasses.replace(seq, rows=16)])[0]
+        assert np.isfinite(a).all()
+        assert np.array_equal(bits(a), bits(b)), f"graphs={graphs}"
+
+
+def test_host_phases_add_up_within_the_step(tiny_model_file) -> None:  # noqa: F811
+    """GpuEngine.host_phases: the host's five phases of the last step in order, none negative, the
+    wait positive (the stream had work), together within the step's wall time; none before a step."""
+    eng = gpu_engine(tiny_model_file, max_slots=1, max_rows=4)
+    assert eng.host_phases() == {}
+    for graphs in (False, True):
+        eng.use_graphs = graphs
+        eng.reset_slot(0)
+        for k in range(3):
+            plan = StepPlan.build([(0, 7 + k, k, True)], {0: [0]}, PAGES_PER_SEQ)
+            t0 = time.perf_counter()
+            eng.step_argmax(plan)
+            wall_us = (time.perf_counter() - t0) * 1e6
+            phases = eng.host_phases()
+            assert list(phases) == ["prepare", "upload", "launch", "download", "wait"]
+            assert min(phases.values()) >= 0 and phases["wait"] > 0
+            assert sum(phases.values()) <= wall_us
 
 
 # The measurement settings that change bits: (the setter's hook, its default's value, the other value tried).

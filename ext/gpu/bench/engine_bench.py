@@ -12,7 +12,9 @@ includes the plan upload, every kernel and the logits download). Method:
 - prefill: a lone prompt of 2048 random tokens at 16 and at 64 rows a step (--prefill-rows: other
   sizes; logits for the last row of each step only), tok/s = 2048 / wall time;
 - decode: 8 slots are prefilled with --ctx random tokens each, then for C = 1, 2, 4, 6, 8 the first C
-  slots decode greedily for --steps timed steps after 3 warm-ups; tok/s = C / median step time. A
+  slots decode greedily for --steps timed steps after 3 warm-ups; tok/s = C / median step time; with
+  each row, the median of each of the host's phases of a step (GpuEngine.host_phases: prepare, upload,
+  launch, download, wait; "python": the call's time outside the engine's step). A
   step's greedy tokens come from the device (Runner.step_argmax: only C tokens cross the bus, as the
   service runs greedy requests), or with --decode-tokens host from the logits copied to the host and
   np.argmax there (every lane's 129280 floats a step: how the figures before GPU pass 16 were
@@ -336,6 +338,15 @@ def variant_exactness(runner: Runner, mf: ModelFile, runs: Runs) -> list[dict]:
     return results
 
 
+def host_phase_medians(times: list[float], phases: list[dict]) -> dict:
+    """The median of each host phase of the engine's steps (GpuEngine.host_phases, microseconds), and
+    "python": the step's time outside the engine's step call (the binding's checks, the arrays)."""
+    out = {k: statistics.median(p[k] for p in phases) for k in phases[0]} if phases and phases[0] else {}
+    if out:
+        out["python"] = statistics.median(t * 1e6 - sum(p.values()) for t, p in zip(times, phases))
+    return out
+
+
 def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, steps: int,
            copy_bw: float | None, runs: Runs, tokens: str = "device") -> list[dict]:
     """Greedy decode of the first C slots for each C, in each mode (or variant) back to back: step
@@ -345,7 +356,7 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
     ways = ["device", "host"] if tokens == "both" else [tokens]
     for c, item, way in ((c, m, w) for c in concurrencies for m in runs.items for w in ways):
         name = runs.set(item)
-        times = []
+        times, phases = [], []
         for i in range(3 + steps):
             lanes = [(s, nxt[s], pos[s], True) for s in range(c)]
             plan = StepPlan.build(lanes, {s: table(s) for s in range(c)}, BLOCKS)
@@ -360,12 +371,14 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
                 picked = [int(np.argmax(logits[s])) for s in range(c)]
             if i >= 3:
                 times.append(dt)
+                phases.append(runner._impl.host_phases())
             for s in range(c):
                 nxt[s], pos[s] = picked[s], pos[s] + 1
         step = statistics.median(times)
         nbytes = step_bytes(mf, c, pos[0])
         row = {"concurrency": c, "mode": name, "tokens": way, "step_ms_median": step * 1e3,
-               "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0]}
+               "step_ms_min": min(times) * 1e3, "tok_s": c / step, "bytes_per_step": nbytes, "context": pos[0],
+               "host_us_median": host_phase_medians(times, phases)}
         if copy_bw:
             roof = nbytes / (copy_bw * 1e9)
             row.update(roofline_ms=roof * 1e3, fraction_of_roofline=roof / step)
@@ -374,6 +387,7 @@ def decode(runner: Runner, mf: ModelFile, nxt: dict, pos: dict, concurrencies, s
               f"(min {min(times) * 1e3:.2f}), "
               f"{nbytes / 1e9:.3f} GB/step" + (f", roofline {row['roofline_ms']:.3f} ms = "
                                                 f"{row['fraction_of_roofline']:.1%}" if copy_bw else ""), flush=True)
+        print("  host us (median): " + ", ".join(f"{k} {v:.1f}" for k, v in row["host_us_median"].items()), flush=True)
     runs.reset()
     return rows
 
