@@ -6,5 +6,5 @@
 # C = 1-8 with the host's phases and prefill, graph timelines at C = 1, 2 and 8. Cut to the device time left.
 set -uo pipefail
 nvidia-smi --query-gpu=name --format=csv,noheader
-OUT=$OUT ext/gpu/bench/engine_run.sh --budget 190 --no-racecheck \
+OUT=$OUT ext/gpu/bench/engine_run.sh --budget 150 --no-racecheck \
   --bench-args "--prefill-rows 2048 --long-ctx 0 --steps 30" --timeline "--c 1,2,8 --steps 3"
