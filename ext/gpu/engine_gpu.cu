@@ -739,28 +739,30 @@ void GpuEngine::Impl::point_inputs(int64_t P) {
 
 // A step's lanes rounded up to 32, at most max_rows: every array entry a kernel reads (a lane's, a
 // group's or a logit lane's, each below the lanes) lies inside it, and the padding is zeros.
-static int64_t input_stride(int n_lanes, int64_t max_rows) { return std::min<int64_t>(max_rows, (n_lanes + 31) / 32 * 32); }
+static int64_t input_stride(int n_lanes, int64_t max_rows) {
+  return std::min<int64_t>(max_rows, (n_lanes + 31) / 32 * 32);
+}
 
 void GpuEngine::Impl::upload_inputs(int n_lanes, const int32_t* lane_slot, const int32_t* lane_token,
                                     const int32_t* lane_pos) {
-  const int64_t R = input_stride(n_lanes, opts.max_rows);
-  point_inputs(R);
+  const int64_t P = input_stride(n_lanes, opts.max_rows);
+  point_inputs(P);
   int32_t* h = pinned.ints();
-  std::fill(h, h + 10 * R, 0);
+  std::fill(h, h + 10 * P, 0);
   std::copy(lane_slot, lane_slot + n_lanes, h);
-  std::copy(lane_token, lane_token + n_lanes, h + R);
-  std::copy(lane_pos, lane_pos + n_lanes, h + 2 * R);
-  std::copy(lane_group.begin(), lane_group.begin() + n_lanes, h + 3 * R);
-  std::copy(lane_t0.begin(), lane_t0.begin() + n_lanes, h + 4 * R);
-  std::copy(order.begin(), order.begin() + n_lanes, h + 5 * R);
-  std::copy(group_first.begin(), group_first.begin() + n_groups, h + 6 * R);
-  std::copy(group_len.begin(), group_len.begin() + n_groups, h + 7 * R);
-  std::copy(group_slot.begin(), group_slot.begin() + n_groups, h + 8 * R);
-  std::copy(logit_lanes.begin(), logit_lanes.end(), h + 9 * R);
+  std::copy(lane_token, lane_token + n_lanes, h + P);
+  std::copy(lane_pos, lane_pos + n_lanes, h + 2 * P);
+  std::copy(lane_group.begin(), lane_group.begin() + n_lanes, h + 3 * P);
+  std::copy(lane_t0.begin(), lane_t0.begin() + n_lanes, h + 4 * P);
+  std::copy(order.begin(), order.begin() + n_lanes, h + 5 * P);
+  std::copy(group_first.begin(), group_first.begin() + n_groups, h + 6 * P);
+  std::copy(group_len.begin(), group_len.begin() + n_groups, h + 7 * P);
+  std::copy(group_slot.begin(), group_slot.begin() + n_groups, h + 8 * P);
+  std::copy(logit_lanes.begin(), logit_lanes.end(), h + 9 * P);
   for (int g = 0; g < n_groups; ++g)
     std::copy_n(tables.data() + static_cast<int64_t>(group_slot[g]) * max_blocks, max_blocks,
-                h + 10 * R + static_cast<int64_t>(g) * max_blocks);
-  const uint64_t bytes = 4ull * (10 * R + static_cast<int64_t>(n_groups) * max_blocks);
+                h + 10 * P + static_cast<int64_t>(g) * max_blocks);
+  const uint64_t bytes = 4ull * (10 * P + static_cast<int64_t>(n_groups) * max_blocks);
   DS4_GPU_CHECK(cudaMemcpyAsync(inputs.data(), h, bytes, cudaMemcpyHostToDevice, stream));
 }
 

@@ -76,7 +76,7 @@ class GpuEngine {
   void set_graphs(bool on);
   bool graphs() const;
   int graphs_captured() const;  // graphs built so far (new buckets)
-  // The host's time in the last step by phase, in microseconds (kHostPhases, in order): checking and
+  // The host's time in the last step by phase, in microseconds, in this order: checking and
   // grouping the plan; the inputs' upload (the pinned buffer filled, the copy's call); the launch (the
   // graph's replay, or its capture, or every kernel eagerly); the download's calls (argmax, the
   // copies); the wait for the stream. Six clock reads a step, always taken.

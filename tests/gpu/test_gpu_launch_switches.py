@@ -30,7 +30,11 @@ row a warp (matvec.cuh's kDenseShort), e.g. the mHC projections [16384 -> 24]; t
 still equal single columns at every width and the CPU within the usual bound.
 
 And one switch read once a process, so tested in a child process: DS4_GPU_ATTN_EARLY=0 puts the split
-attention's step-input work (its keys' rows, the combine's inverse RoPE table) after the grid wait.
+attention's step-input work (its keys' rows, the combine's inverse RoPE table) after the grid wait
+(``gpu_attn_early() -> bool``: the switch as the attention's launches read it).
+
+And where a step's inputs lie: at its lanes rounded up to 32, whatever the engine's max_rows, so engines
+of different max_rows must give the same bits; and the host's phases of a step (GpuEngine.host_phases).
 
 The engine's logits over decode, packed prompts and several lanes, eager and under graphs, with the
 SIMT and the tensor-core products (whose kernels are launched without the PDL attribute, so the
