@@ -366,12 +366,11 @@ struct GpuEngine::Impl {
   }
   uint64_t mma_scratch_need() const;
   void ensure_mma_scratch();
-  void download_logits(float* out, uint64_t bytes);
-  void download_argmax(int32_t* out);
-  // host_phases_us: the last step's phase boundaries (wait_from: the download's calls are issued).
+  // Each returns when its calls were issued and its wait began (host_phases_us' last boundary).
   using Clock = std::chrono::steady_clock;
-  Clock::time_point wait_from;
-  double host_phases[5] = {};
+  Clock::time_point download_logits(float* out, uint64_t bytes);
+  Clock::time_point download_argmax(int32_t* out);
+  double host_phases[5] = {};  // host_phases_us of the last step
   // logits_host holds at least `bytes` (grown after the stream is idle: the old buffer may still
   // be a copy's target).
   void reserve_host(uint64_t bytes) {
@@ -1225,13 +1224,11 @@ void GpuEngine::step(int n_lanes, const int32_t* lane_slot, const int32_t* lane_
     m.launch_step();
   }
   const Impl::Clock::time_point t3 = Impl::Clock::now();
-  if (argmax_out) {
-    m.download_argmax(argmax_out);
-  } else {
-    m.download_logits(logits_out, 4ull * m.logit_lanes.size() * m.cfg.n_vocab);
-  }
+  const uint64_t logit_bytes = 4ull * m.logit_lanes.size() * m.cfg.n_vocab;
+  const Impl::Clock::time_point waited_from =
+      argmax_out ? m.download_argmax(argmax_out) : m.download_logits(logits_out, logit_bytes);
   const Impl::Clock::time_point t4 = Impl::Clock::now();
-  const Impl::Clock::time_point at[6] = {t0, t1, t2, t3, m.wait_from, t4};
+  const Impl::Clock::time_point at[6] = {t0, t1, t2, t3, waited_from, t4};
   for (int k = 0; k < 5; ++k) m.host_phases[k] = std::chrono::duration<double, std::micro>(at[k + 1] - at[k]).count();
 }
 
@@ -1241,29 +1238,27 @@ std::vector<double> GpuEngine::host_phases_us() const {
 
 // Each logit lane's argmax (argmax_rows, numpy's rule) into out: n_out ints leave the device
 // instead of n_out x n_vocab floats. Then the stream is idle.
-void GpuEngine::Impl::download_argmax(int32_t* out) {
+GpuEngine::Impl::Clock::time_point GpuEngine::Impl::download_argmax(int32_t* out) {
   const int n_out = static_cast<int>(logit_lanes.size());
+  const uint64_t bytes = 4ull * n_out;
   if (n_out > 0) {
-    const uint64_t bytes = 4ull * n_out;
     reserve_host(bytes);
     argmax_rows(logits, cfg.n_vocab, n_out, cfg.n_vocab, argmax_tokens, argmax_tokens + opts.max_rows, stream);
     DS4_GPU_CHECK(cudaMemcpyAsync(logits_host.bytes(), argmax_tokens, bytes, cudaMemcpyDeviceToHost, stream));
-    wait_from = Clock::now();
-    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
-    std::memcpy(out, logits_host.bytes(), bytes);
-  } else {
-    wait_from = Clock::now();
-    DS4_GPU_CHECK(cudaStreamSynchronize(stream));
   }
+  const Clock::time_point waited_from = Clock::now();
+  DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+  if (n_out > 0) std::memcpy(out, logits_host.bytes(), bytes);
+  return waited_from;
 }
 
 // The step's logits into the caller's (pageable) array through the pinned buffer, piece by piece,
 // then the stream is idle.
-void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
+GpuEngine::Impl::Clock::time_point GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
   if (bytes == 0) {
-    wait_from = Clock::now();
+    const Clock::time_point waited_from = Clock::now();
     DS4_GPU_CHECK(cudaStreamSynchronize(stream));
-    return;
+    return waited_from;
   }
   reserve_host(bytes);
   const uint64_t n_pieces = (bytes + kLogitsPiece - 1) / kLogitsPiece;
@@ -1279,13 +1274,14 @@ void GpuEngine::Impl::download_logits(float* out, uint64_t bytes) {
     DS4_GPU_CHECK(cudaEventRecord(piece_done[i], stream));
   }
   uint8_t* dst = reinterpret_cast<uint8_t*>(out);
-  wait_from = Clock::now();  // the wait now overlaps the pieces' host copies
+  const Clock::time_point waited_from = Clock::now();  // the wait overlaps the pieces' host copies
   for (uint64_t i = 0; i < n_pieces; ++i) {
     const uint64_t off = i * kLogitsPiece, len = std::min(kLogitsPiece, bytes - off);
     DS4_GPU_CHECK(cudaEventSynchronize(piece_done[i]));
     std::memcpy(dst + off, logits_host.bytes() + off, len);
   }
   DS4_GPU_CHECK(cudaStreamSynchronize(stream));
+  return waited_from;
 }
 
 void GpuEngine::set_graphs(bool on) { impl_->graphs = on; }
